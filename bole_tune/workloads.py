@@ -1,0 +1,105 @@
+"""Random proposal trees and GDN inputs for tests, benchmarks and the tuner's correctness gate."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from bole_tune.tree import TreeBatch
+
+TREE_KINDS = ("random", "chain", "star", "forest")
+
+
+def tree_parents(size: int, kind: str = "random", max_depth: int = 8, rng: random.Random | None = None) -> list[int]:
+    """Local parent indices of one tree.
+
+    random: node n hangs off a uniformly chosen earlier node of depth < ``max_depth``;
+    chain: depth ``size - 1``; star: every node a child of the root; forest: several roots, each
+    with a random subtree.
+    """
+    if size < 1:
+        raise ValueError(f"size: a tree needs at least one node, got {size}")
+    rng = rng or random.Random(0)
+    if kind == "chain":
+        return [n - 1 for n in range(size)]
+    if kind == "star":
+        return [-1] + [0] * (size - 1)
+    if kind not in ("random", "forest"):
+        raise ValueError(f"kind: expected one of {TREE_KINDS}, got {kind!r}")
+    parents, depths = [-1], [0]
+    root_chance = 0.15 if kind == "forest" else 0.0
+    for n in range(1, size):
+        if rng.random() < root_chance:
+            parents.append(-1)
+            depths.append(0)
+            continue
+        candidates = [j for j in range(n) if depths[j] < max_depth]
+        p = rng.choice(candidates) if candidates else -1
+        parents.append(p)
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return parents
+
+
+def make_tree(sizes, kind: str = "random", max_depth: int = 8, seed: int = 0, device=None) -> TreeBatch:
+    """A batch with one tree of each size in ``sizes``."""
+    rng = random.Random(seed)
+    return TreeBatch.from_parents([tree_parents(s, kind, max_depth, rng) for s in sizes], device=device)
+
+
+@dataclass
+class GDNInputs:
+    """Arguments of `tree_verify` for one layer (state pool included)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    state: torch.Tensor
+    state_indices: torch.Tensor
+
+    def args(self, tree: TreeBatch) -> tuple:
+        return (self.q, self.k, self.v, self.g, self.beta, self.state, self.state_indices, tree)
+
+
+def make_inputs(tree: TreeBatch, hk: int, hv: int, dk: int, dv: int, dtype=torch.bfloat16, device=None,
+                num_slots: int | None = None, g_range=(-2.0, 0.0), seed: int = 0, gate_dtype=torch.float32,
+                state_scale: float = 0.1) -> GDNInputs:
+    """Random inputs with the statistics of a real layer: unit-ish q, k, v; gates in range.
+
+    Slots are a random permutation of a pool with spare slots, so tests see slots the batch never
+    names. ``g_range`` bounds the log-decay; beta is uniform in [0, 1].
+    """
+    device = device or tree.device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n, b = tree.num_nodes, tree.num_requests
+    num_slots = num_slots or 2 * b + 1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    lo, hi = g_range
+    g = lo + (hi - lo) * torch.rand(n, hv, generator=gen)
+    beta = torch.rand(n, hv, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:b]
+    return GDNInputs(
+        q=randn(n, hk, dk).to(device, dtype),
+        k=randn(n, hk, dk).to(device, dtype),
+        v=randn(n, hv, dv).to(device, dtype),
+        g=g.to(device, gate_dtype),
+        beta=beta.to(device, gate_dtype),
+        state=(state_scale * randn(num_slots, hv, dv, dk)).to(device, torch.float32),
+        state_indices=slots.to(device, torch.int32),
+    )
+
+
+def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64 on the CPU; NaN anywhere in x gives inf."""
+    x = x.detach().to("cpu", torch.float64)
+    reference = reference.detach().to("cpu", torch.float64)
+    if not torch.isfinite(x).all():
+        return float("inf")
+    denominator = reference.norm().item()
+    return (x - reference).norm().item() / (denominator if denominator > 0 else 1.0)

@@ -1,0 +1,140 @@
+"""Plain PyTorch implementations: the float64 ground truth and the dense closed form.
+
+`verify_reference` runs the recurrence node by node in float64 (../shared/DESIGN.md §1) and keeps
+every node's state: it is the ground truth of the tests and of the tuner's correctness gate.
+`verify_closed_form` / `commit_closed_form` evaluate Theorem 1 with dense tensors and a triangular
+solve: the CPU fallback of `tree_verify` / `tree_commit`, and an independent check that the closed
+form equals the recurrence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bole_tune.tree import TreeBatch
+from .common import TreeVerifyResult, check_commit_inputs, check_verify_inputs, result_buffers
+
+L2_EPS = 1e-6
+
+
+@dataclass
+class ReferenceResult:
+    """o: ``[N, Hv, dv]`` float64. states: ``[N, Hv, dv, dk]`` float64, each node's state (slot layout)."""
+
+    o: torch.Tensor
+    states: torch.Tensor
+
+    def committed(self, state: torch.Tensor, state_indices, tree: TreeBatch, accepted) -> torch.Tensor:
+        """The state pool (float64) that committing ``accepted`` must produce."""
+        pool = state.detach().to(self.states.device, torch.float64).clone()
+        offsets = tree.offsets.tolist()
+        for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
+            if node >= 0:
+                pool[slot] = self.states[offsets[r] + node]
+        return pool
+
+
+def _ints(x) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
+
+
+def prepare_qk(q, k, hv, scale, use_qk_l2norm, dtype):
+    """Normalised, scaled q and k with key heads repeated to the value heads: ``[N, Hv, d]``."""
+    q = q.to(dtype)
+    k = k.to(dtype)
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    q = q * scale
+    group = hv // q.shape[1]
+    return q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+
+
+def verify_reference(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None,
+                     use_qk_l2norm=True) -> ReferenceResult:
+    """The recurrence, node by node, in float64 on the inputs' device. Same arguments as `tree_verify`."""
+    shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate=False)
+    f64, device = torch.float64, q.device
+    qn, kn = prepare_qk(q.detach(), k.detach(), shape.hv, shape.scale, use_qk_l2norm, f64)
+    v64 = v.detach().to(f64)
+    gamma = torch.exp(g.detach().to(f64))
+    beta64 = beta.detach().to(f64)
+    pool = state.detach()
+    states = torch.empty(shape.num_nodes, shape.hv, shape.dv, shape.dk, dtype=f64, device=device)
+    o = torch.empty(shape.num_nodes, shape.hv, shape.dv, dtype=f64, device=device)
+    offsets = tree.offsets.tolist()
+    for r, slot in enumerate(_ints(state_indices)):
+        s_pre = pool[slot].to(f64)
+        for n, p in enumerate(tree.parents_of(r)):
+            i = offsets[r] + n
+            s_parent = s_pre if p < 0 else states[offsets[r] + p]
+            # slot layout: s[h, value, key]; S^T k is s @ k.
+            predicted = torch.einsum("hvk,hk->hv", s_parent, kn[i])
+            u = beta64[i, :, None] * (v64[i] - gamma[i, :, None] * predicted)
+            states[i] = gamma[i, :, None, None] * s_parent + u[:, :, None] * kn[i][:, None, :]
+            o[i] = torch.einsum("hvk,hk->hv", states[i], qn[i])
+    return ReferenceResult(o=o, states=states)
+
+
+def ancestor_mask(tree: TreeBatch, request: int, device=None) -> torch.Tensor:
+    """``[T, T]`` bool, ``mask[i, j]`` when node j is node i or one of its ancestors."""
+    lo, hi = int(tree.offsets[request]), int(tree.offsets[request + 1])
+    enter = tree.dfs_enter[lo:hi].to(device or "cpu").long()
+    exit_ = tree.dfs_exit[lo:hi].to(device or "cpu").long()
+    return (enter[None, :] <= enter[:, None]) & (enter[:, None] <= exit_[None, :])
+
+
+def verify_closed_form(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None,
+                       use_qk_l2norm=True, validate=None, dtype=torch.float32,
+                       out: TreeVerifyResult | None = None) -> TreeVerifyResult:
+    """Theorem 1 with dense per-request tensors and a unit-triangular solve, in ``dtype``."""
+    shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    qn, kn = prepare_qk(q, k, shape.hv, shape.scale, use_qk_l2norm, dtype)
+    res = result_buffers(shape, q.dtype, q.device, tree, out)
+    offsets = tree.offsets.tolist()
+    for r, slot in enumerate(_ints(state_indices)):
+        lo, hi = offsets[r], offsets[r + 1]
+        mask = ancestor_mask(tree, r, v.device)
+        strict = mask & ~torch.eye(hi - lo, dtype=torch.bool, device=v.device)
+        logp = mask.to(dtype) @ g[lo:hi].to(dtype)  # [T, Hv]
+        # exp(logP_i - logP_j) on the mask only: it is <= 1 there, and may overflow elsewhere.
+        diff = logp.T[:, :, None] - logp.T[:, None, :]  # [Hv, T, T]
+        decay = torch.where(mask, diff, torch.full_like(diff, -torch.inf)).exp()
+        q_h, k_h = qn[lo:hi].transpose(0, 1), kn[lo:hi].transpose(0, 1)  # [Hv, T, d]
+        s_pre = state[slot].to(dtype)  # [Hv, dv, dk]
+        beta_h = beta[lo:hi].to(dtype).T[:, :, None]  # [Hv, T, 1]
+        p_h = logp.T.exp()[:, :, None]
+        rhs = beta_h * (v[lo:hi].to(dtype).transpose(0, 1) - p_h * (k_h @ s_pre.transpose(1, 2)))
+        gram = beta_h * decay * (k_h @ k_h.transpose(1, 2)) * strict
+        eye = torch.eye(hi - lo, dtype=dtype, device=v.device)
+        u_h = torch.linalg.solve_triangular(eye + gram, rhs, upper=False, unitriangular=True)
+        readout = decay * (q_h @ k_h.transpose(1, 2))
+        o_h = p_h * (q_h @ s_pre.transpose(1, 2)) + readout @ u_h
+        res.u[lo:hi] = u_h.transpose(0, 1).float()
+        res.o[lo:hi] = o_h.transpose(0, 1).to(res.o.dtype)
+        res.log_decay[lo:hi] = logp.float()
+    res.k.copy_(k)
+    if use_qk_l2norm:
+        res.k_scale.copy_(torch.rsqrt((k.float() ** 2).sum(-1) + L2_EPS))
+    else:
+        res.k_scale.fill_(1.0)
+    return res
+
+
+def commit_closed_form(state, state_indices, res: TreeVerifyResult, accepted, validate=None) -> None:
+    """``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` in place, float32."""
+    check_commit_inputs(state, state_indices, res, accepted, validate)
+    tree = res.tree
+    group = res.u.shape[1] // res.k.shape[1]
+    keys = (res.k.float() * res.k_scale[:, :, None]).repeat_interleave(group, dim=1)  # [N, Hv, dk]
+    offsets = tree.offsets.tolist()
+    for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
+        if node < 0:
+            continue
+        rows = [offsets[r] + j for j in tree.path_to(r, node)]
+        a = rows[-1]
+        weight = torch.exp(res.log_decay[a][None, :] - res.log_decay[rows])  # [L, Hv]
+        update = torch.einsum("lh,lhv,lhk->hvk", weight, res.u[rows], keys[rows])
+        state[slot] = torch.exp(res.log_decay[a])[:, None, None] * state[slot] + update

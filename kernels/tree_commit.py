@@ -1,0 +1,91 @@
+"""Commit of the accepted path: one launch writes every request's new state into its slot.
+
+``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (../shared/DESIGN.md §2): each
+program owns one ``[b_v, b_k]`` tile of one head's slot, reads it once and writes it once. The path
+to the accepted node ``a`` is the set of nodes whose depth-first interval contains ``a``, so the sum
+runs as masked dot products over the request's node blocks up to ``a``, with no walk up the parents.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from bole_tune.config import node_block
+from .common import TreeVerifyResult, check_commit_inputs, use_triton
+
+
+@triton.jit
+def tree_commit_kernel(
+    # state pool and request metadata
+    state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr,
+    # factors from the verification
+    u_ptr, logp_ptr, k_ptr, k_scale_ptr,
+    # strides
+    stride_s_slot, stride_s_h, stride_s_v,
+    # sizes and meta-parameters
+    H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+):
+    i_tile = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_r = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // (H_V // H_K)
+    i_v = i_tile // (D_K // B_K)
+    i_k = i_tile % (D_K // B_K)
+    accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
+    if accepted >= 0:
+        bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+        slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+        enter_a = tl.load(dfs_enter_ptr + bos + accepted)
+        logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
+        o_v = i_v * B_V + tl.arange(0, B_V)
+        o_k = i_k * B_K + tl.arange(0, B_K)
+        b_update = tl.zeros([B_V, B_K], dtype=tl.float32)
+        for j_b in range(0, accepted // B_T + 1):
+            o_j = j_b * B_T + tl.arange(0, B_T)
+            rows = bos + o_j
+            m_j = o_j <= accepted
+            enter_j = tl.load(dfs_enter_ptr + rows, mask=m_j, other=0)
+            exit_j = tl.load(dfs_exit_ptr + rows, mask=m_j, other=-1)
+            on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
+            logp_j = tl.load(logp_ptr + rows * H_V + i_h, mask=on_path, other=0)
+            scale_j = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=on_path, other=0)
+            weight = tl.where(on_path, tl.exp(logp_a - logp_j) * scale_j, 0.0)
+            b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                          mask=on_path[:, None], other=0)
+            b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
+                          mask=on_path[:, None], other=0).to(tl.float32)
+            b_update = tl.dot(tl.trans(b_u * weight[:, None]), b_k, b_update, input_precision="ieee")
+        p_s = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
+        b_s = tl.load(p_s)
+        tl.store(p_s, tl.exp(logp_a) * b_s + b_update)
+
+
+def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate: bool | None = None,
+                b_k: int = 32, b_v: int = 32, num_warps: int = 4) -> None:
+    """Write in place, for each request, the state the recurrence reaches at its accepted node.
+
+    Args:
+        state: ``[num_slots, Hv, dv, dk]`` float32 pool (the one verified against).
+        state_indices: ``[B]`` slot of each request.
+        res: the `TreeVerifyResult` of `tree_verify` or `serial_verify`.
+        accepted: ``[B]`` int, local index of each request's last accepted node; -1 leaves its slot as is.
+    """
+    check_commit_inputs(state, state_indices, res, accepted, validate)
+    if not use_triton(state.device):
+        from .reference import commit_closed_form
+        commit_closed_form(state, state_indices, res, accepted, validate=False)
+        return
+    _, hv, dv = res.u.shape
+    hk, dk = res.k.shape[1:]
+    b_k, b_v = min(b_k, dk), min(b_v, dv)
+    tree = res.tree
+    grid = ((dv // b_v) * (dk // b_k), hv, tree.num_requests)
+    tree_commit_kernel[grid](
+        state, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit,
+        res.u, res.log_decay, res.k, res.k_scale,
+        state.stride(0), state.stride(1), state.stride(2),
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,221 @@
+"""The Bole verifier: every node of a proposal tree through one GDN layer, in parallel.
+
+Theorem 1 of the seed (../shared/DESIGN.md §2), fused into one kernel (factor construction and the
+value-tiled solve share registers; nothing T x T touches device memory). One program per
+(value tile, value head, request) walks its request's nodes in blocks of ``B_T`` rows:
+
+1. a ``b_k``-chunked pass over dk reads ``S_pre`` once and forms ``Q S_pre``, ``K S_pre`` and the
+   block's own Gram matrices ``Q K^T``, ``K K^T`` (plus the L2 norms);
+2. ``logP`` is summed over the ancestor mask (a node's ancestors are the nodes whose depth-first
+   interval contains it);
+3. rows of earlier blocks contribute ``-G_ij U_j`` to the right-hand side and ``C_ij U_j`` to the
+   output, reading back the ``U_j`` this program already stored;
+4. the block's own unit-triangular system ``(I + G_bb) U_b = R_b`` is solved by as many substitution
+   sweeps ``U <- R - G U`` as the block's forest is deep. After sweep m every row of depth < m is
+   exact, so this is forward substitution done level by level, with no growing powers of G: deep
+   chains stay as accurate as shallow trees.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bole_tune.config import KernelConfig, node_block
+from bole_tune.tree import TreeBatch
+from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
+
+
+@triton.jit
+def tree_verify_fwd_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
+    # tree topology
+    offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
+    # outputs
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    # scalars and strides
+    scale, max_blocks,
+    stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+    stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
+    stride_s_slot, stride_s_h, stride_s_v,
+    # sizes and meta-parameters
+    H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+):
+    i_v = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_r = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // (H_V // H_K)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    # the keys (raw, plus their scale) are kept for the commit by one program per key head
+    write_keys = (i_v == 0) & (i_h % (H_V // H_K) == 0)
+
+    o_v = i_v * B_V + tl.arange(0, B_V)
+    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v
+
+    for i_b in range(0, tl.cdiv(num_nodes, B_T)):
+        o_i = i_b * B_T + tl.arange(0, B_T)
+        m_i = o_i < num_nodes
+        rows = bos + o_i
+        enter_i = tl.load(dfs_enter_ptr + rows, mask=m_i, other=-1)
+        exit_i = tl.load(dfs_exit_ptr + rows, mask=m_i, other=-2)
+        b_beta = tl.load(beta_ptr + rows * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(tl.float32)
+
+        # 1. one pass over dk: state products, the block's Gram matrices, squared norms
+        b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
+        b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
+        b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
+        b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
+        ssq_q = tl.zeros([B_T], dtype=tl.float32)
+        ssq_k = tl.zeros([B_T], dtype=tl.float32)
+        for i_k in range(0, D_K, B_K):
+            o_k = i_k + tl.arange(0, B_K)
+            b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
+                          mask=m_i[:, None], other=0)
+            b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
+                          mask=m_i[:, None], other=0)
+            b_s = tl.load(p_state + o_k[None, :])
+            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
+            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+            b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)
+            b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)
+            if USE_QK_L2NORM:
+                ssq_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+                ssq_k += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+            tl.store(k_out_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], b_k,
+                     mask=m_i[:, None] & write_keys)
+        if USE_QK_L2NORM:
+            r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+            r_q = scale / tl.sqrt(ssq_q + 1e-6)
+        else:
+            r_k = tl.full([B_T], 1.0, dtype=tl.float32)
+            r_q = tl.full([B_T], scale, dtype=tl.float32)
+
+        # 2. logP_i: sum of g over the node and its ancestors (all in this or earlier blocks)
+        b_logp = tl.zeros([B_T], dtype=tl.float32)
+        for j_b in range(0, i_b + 1):
+            o_j = j_b * B_T + tl.arange(0, B_T)
+            m_j = o_j < num_nodes
+            enter_j = tl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=-1)
+            exit_j = tl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-2)
+            b_g = tl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(tl.float32)
+            m_anc = (enter_j[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_j[None, :])
+            b_logp += tl.sum(tl.where(m_anc, b_g[None, :], 0.0), axis=1)
+
+        b_decay = tl.exp(b_logp)
+        b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
+                      mask=m_i[:, None], other=0).to(tl.float32)
+        b_o = (b_decay * r_q)[:, None] * b_qs
+        b_r = b_beta[:, None] * (b_v - (b_decay * r_k)[:, None] * b_ks)
+
+        # 3. contributions of the already solved rows of earlier blocks
+        for j_b in range(0, i_b):
+            o_j = j_b * B_T + tl.arange(0, B_T)
+            rows_j = bos + o_j
+            enter_j = tl.load(dfs_enter_ptr + rows_j)
+            exit_j = tl.load(dfs_exit_ptr + rows_j)
+            logp_j = tl.load(logp_ptr + rows_j * H_V + i_h)
+            b_qk_ij = tl.zeros([B_T, B_T], dtype=tl.float32)
+            b_kk_ij = tl.zeros([B_T, B_T], dtype=tl.float32)
+            ssq_kj = tl.zeros([B_T], dtype=tl.float32)
+            for i_k in range(0, D_K, B_K):
+                o_k = i_k + tl.arange(0, B_K)
+                b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
+                              mask=m_i[:, None], other=0)
+                b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
+                              mask=m_i[:, None], other=0)
+                b_kj = tl.load(k_ptr + rows_j[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :])
+                b_kj = b_kj.to(GRAM_DTYPE)
+                b_qk_ij = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_kj), b_qk_ij, input_precision=DOT_PRECISION)
+                b_kk_ij = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_kj), b_kk_ij, input_precision=DOT_PRECISION)
+                if USE_QK_L2NORM:
+                    ssq_kj += tl.sum(b_kj.to(tl.float32) * b_kj.to(tl.float32), axis=1)
+            if USE_QK_L2NORM:
+                r_kj = 1.0 / tl.sqrt(ssq_kj + 1e-6)
+            else:
+                r_kj = tl.full([B_T], 1.0, dtype=tl.float32)
+            m_anc = (enter_j[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_j[None, :])
+            decay_ij = tl.exp(tl.where(m_anc, b_logp[:, None] - logp_j[None, :], float("-inf")))
+            b_g_ij = (b_beta * r_k)[:, None] * decay_ij * r_kj[None, :] * b_kk_ij
+            b_c_ij = r_q[:, None] * decay_ij * r_kj[None, :] * b_qk_ij
+            b_u_j = tl.load(u_ptr + rows_j[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :])
+            b_r -= tl.dot(b_g_ij, b_u_j, input_precision=DOT_PRECISION)
+            b_o = tl.dot(b_c_ij, b_u_j, b_o, input_precision=DOT_PRECISION)
+
+        # 4. the block's own system, one substitution sweep per level of its forest
+        m_anc = (enter_i[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_i[None, :])
+        decay_ii = tl.exp(tl.where(m_anc, b_logp[:, None] - b_logp[None, :], float("-inf")))
+        m_strict = m_anc & (o_i[:, None] != o_i[None, :])
+        b_g_ii = tl.where(m_strict, (b_beta * r_k)[:, None] * decay_ii * r_k[None, :] * b_kk, 0.0)
+        b_c_ii = r_q[:, None] * decay_ii * r_k[None, :] * b_qk
+        block_depth = tl.load(block_depth_ptr + i_r * max_blocks + i_b)
+        b_u = b_r
+        for _ in range(0, block_depth):
+            b_u = b_r - tl.dot(b_g_ii, b_u, input_precision=DOT_PRECISION)
+        b_o = tl.dot(b_c_ii, b_u, b_o, input_precision=DOT_PRECISION)
+
+        tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
+        tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                 b_o.to(o_ptr.dtype.element_ty), mask=m_i[:, None])
+        tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i)
+        tl.store(k_scale_ptr + rows * H_K + i_hk, r_k, mask=m_i & write_keys)
+        # later blocks read this block's U and logP back
+        tl.debug_barrier()
+
+
+def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
+                config: KernelConfig | None = None, validate: bool | None = None,
+                out: TreeVerifyResult | None = None) -> TreeVerifyResult:
+    """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
+
+    Args:
+        q, k: ``[N, Hk, dk]``; v: ``[N, Hv, dv]`` (Hv a multiple of Hk); bf16, fp16 or fp32.
+        g: ``[N, Hv]`` log-decay (<= 0); beta: ``[N, Hv]`` in [0, 1]; float32 or the inputs' dtype.
+        state: ``[num_slots, Hv, dv, dk]`` float32 pool; state_indices: ``[B]`` slot of each request.
+        tree: the proposal trees (`TreeBatch`), on the inputs' device.
+        scale: multiplies q (default ``dk ** -0.5``); use_qk_l2norm: L2-normalise q and k first.
+        config: tile configuration; None takes the tuned one for this GPU and shape.
+        validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
+        out: a `TreeVerifyResult` to write into instead of allocating (buffers reused across layers).
+
+    Returns:
+        `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
+    """
+    shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    if not use_triton(q.device):
+        from .reference import verify_closed_form
+        return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
+                                  validate=False, out=out)
+    if config is None:
+        from bole_tune.lookup import config_for
+        config = config_for(shape, q.dtype, tree, q.device)
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
+    if not config.fits(shape.dk, shape.dv):
+        raise ValueError(f"config: tiles b_k={config.b_k}, b_v={config.b_v} must divide dk={shape.dk}, dv={shape.dv}")
+    n, hv, hk, dk, dv = shape.num_nodes, shape.hv, shape.hk, shape.dk, shape.dv
+    q, sq_n, sq_h = token_head_strides(q)
+    k, sk_n, sk_h = token_head_strides(k)
+    v, sv_n, sv_h = token_head_strides(v)
+    res = result_buffers(shape, q.dtype, q.device, tree, out)
+    b_t = node_block(tree.max_tree_size)
+    block_depth, max_blocks = tree.block_depths(b_t)
+    grid = (dv // config.b_v, hv, shape.num_requests)
+    tree_verify_fwd_kernel[grid](
+        q, k, v, g, beta, state, state_indices,
+        tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+        res.o, res.u, res.log_decay, res.k, res.k_scale,
+        shape.scale, max_blocks,
+        sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+        USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return res

@@ -1,0 +1,27 @@
+"""Shared helpers of the tests: poisoned outputs and the reference comparison."""
+
+import torch
+
+from bole_tune.kernels import TreeVerifyResult
+from bole_tune.kernels.common import VerifyShape, result_buffers
+from bole_tune.workloads import relative_error
+
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def poisoned_out(x, tree) -> TreeVerifyResult:
+    """Output buffers filled with NaN, so a test sees any element the kernel did not write."""
+    n, hk, dk = x.q.shape
+    hv, dv = x.v.shape[1:]
+    shape = VerifyShape(n, tree.num_requests, x.state.shape[0], hk, hv, dk, dv, 1.0)
+    out = result_buffers(shape, x.q.dtype, x.q.device, tree, None)
+    for name in ("o", "u", "log_decay", "k", "k_scale"):
+        getattr(out, name).fill_(float("nan"))
+    return out
+
+
+def assert_close(actual, expected, tolerance, what):
+    assert torch.isfinite(actual).all(), f"{what}: has NaN or inf (an element was not written?)"
+    error = relative_error(actual, expected)
+    assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.0e}"
+    return error

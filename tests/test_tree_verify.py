@@ -1,0 +1,210 @@
+"""tree_verify, serial_verify and tree_commit against the float64 node-by-node reference.
+
+CPU cases run under TRITON_INTERPRET=1 with small shapes; GPU cases (production head sizes) run on
+a CUDA device and are skipped visibly without one.
+"""
+
+import random
+
+import pytest
+import torch
+
+from bole_tune import KernelConfig, TreeBatch
+from bole_tune.kernels import serial_verify, tree_commit, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.workloads import make_inputs, make_tree, tree_parents
+from conftest import requires_gpu
+from helpers import TOLERANCE, assert_close, poisoned_out
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# id -> (tree sizes, tree kind, Hk, Hv, dk = dv, dtype, g range)
+CPU_CASES = {
+    "B3-T[1,7,20]-random-Hk1-Hv2-D32-fp32": ([1, 7, 20], "random", 1, 2, 32, F32, (-2.0, 0.0)),
+    "B2-T[5,33]-random-Hk2-Hv4-D32-bf16": ([5, 33], "random", 2, 4, 32, BF16, (-2.0, 0.0)),
+    "B1-T70-chain-Hk1-Hv1-D32-fp32": ([70], "chain", 1, 1, 32, F32, (-0.3, 0.0)),
+    "B2-T[24,9]-star-Hk1-Hv4-D32-fp16": ([24, 9], "star", 1, 4, 32, F16, (-2.0, 0.0)),
+    "B2-T[30,12]-forest-Hk2-Hv2-D64-fp32": ([30, 12], "forest", 2, 2, 64, F32, (-1.0, 0.0)),
+    "B2-T[17,3]-random-Hk1-Hv2-D128-bf16": ([17, 3], "random", 1, 2, 128, BF16, (-2.0, 0.0)),
+    "B1-T40-random-Hk1-Hv1-D32-fp32-g0": ([40], "random", 1, 1, 32, F32, (0.0, 0.0)),
+    "B2-T[21,6]-random-Hk1-Hv2-D32-fp32-g-20": ([21, 6], "random", 1, 2, 32, F32, (-20.0, -20.0)),
+}
+CPU_SLOW_CASES = {
+    "B1-T256-chain-Hk1-Hv1-D32-fp32": ([256], "chain", 1, 1, 32, F32, (-0.1, 0.0)),
+    "B2-T[256,100]-random-Hk1-Hv2-D32-bf16": ([256, 100], "random", 1, 2, 32, BF16, (-2.0, 0.0)),
+}
+GPU_CASES = {
+    "B4-T64-random-Hk16-Hv32-D128-bf16": ([64] * 4, "random", 16, 32, 128, BF16, (-2.0, 0.0)),
+    "B3-T[1,100,256]-random-Hk16-Hv48-D128-bf16": ([1, 100, 256], "random", 16, 48, 128, BF16, (-2.0, 0.0)),
+    "B2-T[64,37]-random-Hk16-Hv64-D128-fp16": ([64, 37], "random", 16, 64, 128, F16, (-2.0, 0.0)),
+    "B2-T[128,19]-random-Hk16-Hv32-D128-fp32": ([128, 19], "random", 16, 32, 128, F32, (-2.0, 0.0)),
+    "B1-T256-chain-Hk16-Hv32-D128-fp32": ([256], "chain", 16, 32, 128, F32, (-0.05, 0.0)),
+    "B2-T[256,7]-chain-Hk4-Hv16-D64-bf16": ([256, 7], "chain", 4, 16, 64, BF16, (-0.05, 0.0)),
+    "B3-T[50,64,3]-star-Hk8-Hv16-D32-bf16": ([50, 64, 3], "star", 8, 16, 32, BF16, (-2.0, 0.0)),
+    "B4-T[90,40,13,2]-forest-Hk16-Hv32-D128-bf16": ([90, 40, 13, 2], "forest", 16, 32, 128, BF16, (-20.0, 0.0)),
+    "B16-T64-random-Hk16-Hv32-D128-bf16": ([64] * 16, "random", 16, 32, 128, BF16, (-2.0, 0.0)),
+}
+
+
+def run_case(device, sizes, kind, hk, hv, d, dtype, g_range, verify=tree_verify, config=None, seed=0):
+    tree = make_tree(sizes, kind, max_depth=8, seed=seed, device=device)
+    x = make_inputs(tree, hk, hv, d, d, dtype, device, g_range=g_range, seed=seed)
+    pool_before = x.state.clone()
+    out = poisoned_out(x, tree)
+    kwargs = {"config": config} if config is not None else {}
+    res = verify(*x.args(tree), out=out, **kwargs)
+    assert torch.equal(x.state, pool_before), "verification wrote the state pool"
+    ref = verify_reference(*x.args(tree))
+    tolerance = TOLERANCE[dtype]
+    assert_close(res.o, ref.o, tolerance, "o")
+    assert torch.isfinite(res.u).all() and torch.isfinite(res.log_decay).all() and torch.isfinite(res.k_scale).all()
+    assert torch.equal(res.k, x.k), "the kept keys differ from the input keys"
+
+    # commit a different node per request: the deepest, a random one, and -1 for one request
+    rng = random.Random(seed)
+    accepted = []
+    for r, size in enumerate(sizes):
+        choice = rng.choice(["deepest", "random", "none"] if len(sizes) > 1 else ["deepest", "random"])
+        depths = [len(tree.path_to(r, n)) for n in range(size)]
+        accepted.append({"deepest": max(range(size), key=depths.__getitem__),
+                         "random": rng.randrange(size), "none": -1}[choice])
+    accepted = torch.tensor(accepted, dtype=torch.int64, device=device)
+    tree_commit(x.state, x.state_indices, res, accepted)
+    expected = ref.committed(pool_before, x.state_indices, tree, accepted)
+    assert_close(x.state, expected, tolerance, "committed state")
+    named = set(x.state_indices.tolist())
+    for slot in range(x.state.shape[0]):
+        if slot not in named:
+            assert torch.equal(x.state[slot], pool_before[slot]), f"slot {slot} is not in state_indices but changed"
+    return res
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES), ids=list(CPU_CASES))
+def test_tree_verify_matches_reference(device, case):
+    run_case(device, *CPU_CASES[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CPU_SLOW_CASES), ids=list(CPU_SLOW_CASES))
+def test_tree_verify_large_trees(device, case):
+    run_case(device, *CPU_SLOW_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["B3-T[1,7,20]-random-Hk1-Hv2-D32-fp32", "B2-T[5,33]-random-Hk2-Hv4-D32-bf16",
+                                  "B1-T70-chain-Hk1-Hv1-D32-fp32"])
+def test_serial_verify_matches_reference(device, case):
+    run_case(device, *CPU_CASES[case], verify=serial_verify)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+def test_gpu_production_shapes(case):
+    run_case("cuda", *GPU_CASES[case])
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES)[:4], ids=list(GPU_CASES)[:4])
+def test_gpu_serial_verify(case):
+    run_case("cuda", *GPU_CASES[case], verify=serial_verify)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [KernelConfig(16, 16, 2, 1), KernelConfig(32, 64, 4, 2), KernelConfig(128, 128, 8, 3),
+                                    KernelConfig(64, 32, 8, 4)], ids=str)
+def test_gpu_configs(config):
+    run_case("cuda", [64, 64, 20], "random", 16, 32, 128, BF16, (-2.0, 0.0), config=config)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(16, 16, 1, 1), KernelConfig(32, 32, 2, 2)], ids=str)
+def test_tile_configs_agree(device, config):
+    run_case(device, [19, 4], "random", 2, 4, 32, BF16, (-2.0, 0.0), config=config)
+
+
+def test_gates_at_their_limits(device):
+    """beta exactly 0 and 1 and g exactly 0 mixed in one batch."""
+    tree = make_tree([23, 11], "random", seed=3, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=3)
+    x.beta[::3] = 0.0
+    x.beta[1::3] = 1.0
+    x.g[::2] = 0.0
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, 2e-3, "o")
+
+
+def test_without_l2_norm_and_custom_scale(device):
+    tree = make_tree([12, 30], "random", seed=4, device=device)
+    x = make_inputs(tree, 2, 2, 32, 32, torch.float32, device, seed=4)
+    x.q.mul_(0.1)
+    x.k.mul_(0.1)
+    ref = verify_reference(*x.args(tree), scale=0.5, use_qk_l2norm=False)
+    res = tree_verify(*x.args(tree), scale=0.5, use_qk_l2norm=False, out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, 2e-3, "o")
+    assert torch.all(res.k_scale == 1.0)
+
+
+def test_non_contiguous_inputs(device):
+    """q, k, v as views into one fused projection, gates as column views: the same answer."""
+    tree = make_tree([9, 14], "random", seed=5, device=device)
+    n, hk, hv, d = tree.num_nodes, 2, 4, 32
+    x = make_inputs(tree, hk, hv, d, d, torch.float32, device, seed=5)
+    fused = torch.cat([x.q.reshape(n, -1), x.k.reshape(n, -1), x.v.reshape(n, -1)], dim=1)
+    q = fused[:, : hk * d].view(n, hk, d)
+    k = fused[:, hk * d: 2 * hk * d].view(n, hk, d)
+    v = fused[:, 2 * hk * d:].view(n, hv, d)
+    gates = torch.stack([x.g, x.beta], dim=2)  # g and beta interleaved: stride 2 along the head axis
+    assert not q.is_contiguous() and not gates[..., 0].is_contiguous()
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(q, k, v, gates[..., 0], gates[..., 1], x.state, x.state_indices, tree)
+    assert_close(res.o, ref.o, 2e-3, "o")
+    transposed_k = x.k.transpose(1, 2).contiguous().transpose(1, 2)  # last dim not contiguous: copied
+    res = tree_verify(x.q, transposed_k, x.v, x.g, x.beta, x.state, x.state_indices, tree)
+    assert_close(res.o, ref.o, 2e-3, "o with a strided key dimension")
+
+
+def test_state_pool_view_with_layer_axis(device):
+    """A pool that is one layer of a [layers, slots, ...] buffer is read and committed in place."""
+    tree = make_tree([10, 5], "random", seed=6, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, num_slots=4, seed=6)
+    layers = torch.randn(3, *x.state.shape, device=device)
+    layers[1] = x.state
+    before = layers.clone()
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(x.q, x.k, x.v, x.g, x.beta, layers[1], x.state_indices, tree)
+    assert_close(res.o, ref.o, 2e-3, "o")
+    accepted = torch.tensor([9, 0], device=device)
+    tree_commit(layers[1], x.state_indices, res, accepted)
+    assert_close(layers[1], ref.committed(x.state, x.state_indices, tree, accepted), 2e-3, "committed")
+    assert torch.equal(layers[0], before[0]) and torch.equal(layers[2], before[2]), "another layer changed"
+
+
+def test_closed_form_fallback_matches_reference(monkeypatch):
+    """Without Triton (CPU, interpreter off) tree_verify runs the dense closed form."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tree = make_tree([1, 31, 64], "random", seed=7)
+    x = make_inputs(tree, 2, 4, 32, 32, torch.float32, "cpu", seed=7)
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, 1e-4, "o")
+    accepted = torch.tensor([0, 30, 63])
+    before = x.state.clone()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), 1e-4, "committed")
+
+
+def test_reference_is_the_sequential_recurrence():
+    """On a chain the tree reference must equal a plain token-by-token loop written here."""
+    tree = TreeBatch.from_parents([tree_parents(6, "chain")])
+    x = make_inputs(tree, 1, 1, 16, 16, torch.float32, "cpu", seed=8)
+    ref = verify_reference(*x.args(tree), use_qk_l2norm=False, scale=1.0)
+    s = x.state[x.state_indices[0]].double()[0].T.clone()  # [dk, dv]
+    for i in range(6):
+        q, k, v = x.q[i, 0].double(), x.k[i, 0].double(), x.v[i, 0].double()
+        gamma, beta = torch.exp(x.g[i, 0].double()), x.beta[i, 0].double()
+        u = beta * (v - gamma * (s.T @ k))
+        s = gamma * s + torch.outer(k, u)
+        assert torch.allclose(ref.o[i, 0], s.T @ q, atol=1e-10)
+    assert torch.allclose(ref.states[5, 0], s.T, atol=1e-10)
