@@ -2,8 +2,9 @@
 
 ``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (../shared/DESIGN.md §2): each
 program owns one ``[b_v, b_k]`` tile of one head's slot, reads it once and writes it once. The path
-to the accepted node ``a`` is the set of nodes whose depth-first interval contains ``a``, so the sum
-runs as masked dot products over the request's node blocks up to ``a``, with no walk up the parents.
+to the accepted node ``a`` holds the nodes whose depth-first interval contains ``a``, one per depth;
+the kernel gathers them 16 at a time by depth (no walk up the parents, no chain of dependent loads),
+so the sum is a dot product over the path alone, not over the whole tree.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from .common import TreeVerifyResult, check_commit_inputs, use_triton
 @triton.jit
 def tree_commit_kernel(
     # state pool and request metadata
-    state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr,
+    state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
     # factors from the verification
     u_ptr, logp_ptr, k_ptr, k_scale_ptr,
     # strides
     stride_s_slot, stride_s_h, stride_s_v,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, B_P: tl.constexpr,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -37,33 +38,43 @@ def tree_commit_kernel(
     if accepted >= 0:
         bos = tl.load(offsets_ptr + i_r).to(tl.int64)
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        enter_a = tl.load(dfs_enter_ptr + bos + accepted)
-        logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
         o_v = i_v * B_V + tl.arange(0, B_V)
         o_k = i_k * B_K + tl.arange(0, B_K)
-        b_update = tl.zeros([B_V, B_K], dtype=tl.float32)
-        for j_b in range(0, accepted // B_T + 1):
-            o_j = j_b * B_T + tl.arange(0, B_T)
-            rows = bos + o_j
-            m_j = o_j <= accepted
-            enter_j = tl.load(dfs_enter_ptr + rows, mask=m_j, other=0)
-            exit_j = tl.load(dfs_exit_ptr + rows, mask=m_j, other=-1)
-            on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
-            logp_j = tl.load(logp_ptr + rows * H_V + i_h, mask=on_path, other=0)
-            scale_j = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=on_path, other=0)
-            weight = tl.where(on_path, tl.exp(logp_a - logp_j) * scale_j, 0.0)
-            b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                          mask=on_path[:, None], other=0)
-            b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                          mask=on_path[:, None], other=0).to(tl.float32)
-            b_update = tl.dot(tl.trans(b_u * weight[:, None]), b_k, b_update, input_precision="ieee")
+        # issue the state tile's load first: its latency hides behind the path search
         p_s = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
         b_s = tl.load(p_s)
+        enter_a = tl.load(dfs_enter_ptr + bos + accepted)
+        depth_a = tl.load(node_depth_ptr + bos + accepted)
+        logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
+        b_update = tl.zeros([B_V, B_K], dtype=tl.float32)
+        # the path holds one node per depth 0..depth_a: gather B_P of them at a time
+        for i_p in range(0, depth_a // B_P + 1):
+            o_p = i_p * B_P + tl.arange(0, B_P)
+            node = tl.zeros([B_P], dtype=tl.int64)
+            for j_b in range(0, accepted // B_T + 1):
+                o_j = j_b * B_T + tl.arange(0, B_T)
+                m_j = o_j <= accepted
+                enter_j = tl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=0)
+                exit_j = tl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-1)
+                depth_j = tl.load(node_depth_ptr + bos + o_j, mask=m_j, other=-1)
+                on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
+                hit = on_path[None, :] & (depth_j[None, :] == o_p[:, None])
+                node += tl.sum(tl.where(hit, o_j[None, :], 0), axis=1)
+            m_p = o_p <= depth_a
+            rows = bos + node
+            logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
+            scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
+            weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
+            b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                          mask=m_p[:, None], other=0)
+            b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
+                          mask=m_p[:, None], other=0).to(tl.float32)
+            b_update = tl.dot(tl.trans(b_u * weight[:, None]), b_k, b_update, input_precision="ieee")
         tl.store(p_s, tl.exp(logp_a) * b_s + b_update)
 
 
 def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate: bool | None = None,
-                b_k: int = 32, b_v: int = 32, num_warps: int = 4) -> None:
+                b_k: int = 128, b_v: int = 32, num_warps: int = 4) -> None:
     """Write in place, for each request, the state the recurrence reaches at its accepted node.
 
     Args:
@@ -83,9 +94,9 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
     tree = res.tree
     grid = ((dv // b_v) * (dk // b_k), hv, tree.num_requests)
     tree_commit_kernel[grid](
-        state, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit,
+        state, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
         res.u, res.log_decay, res.k, res.k_scale,
         state.stride(0), state.stride(1), state.stride(2),
-        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v,
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, B_P=16,
         num_warps=num_warps,
     )

@@ -208,3 +208,31 @@ def test_reference_is_the_sequential_recurrence():
         s = gamma * s + torch.outer(k, u)
         assert torch.allclose(ref.o[i, 0], s.T @ q, atol=1e-10)
     assert torch.allclose(ref.states[5, 0], s.T, atol=1e-10)
+
+
+def test_every_depth_around_the_solver_switch(device):
+    """Chains of 1..12 nodes in one batch: block depths 0..11 cross the squaring/sweep switch at 8."""
+    tree = TreeBatch.from_parents([tree_parents(n, "chain") for n in range(1, 13)], device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=9)
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, 2e-3, "o")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_correlated_keys_stay_accurate(device, dtype):
+    """Nearly equal keys, beta = 1, g = 0: G is almost all ones, the hardest case for the solve."""
+    tree = TreeBatch.from_parents([tree_parents(9, "chain"), tree_parents(40, "random", 8)], device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, dtype, device, seed=10)
+    base = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(x.k.shape, generator=torch.Generator().manual_seed(2))
+    x.k.copy_((base + 0.05 * noise).to(x.k.dtype))
+    x.beta.fill_(1.0)
+    x.g.zero_()
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, TOLERANCE[dtype], "o")
+    accepted = torch.tensor([8, 39], device=device)
+    before = x.state.clone()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
