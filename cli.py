@@ -54,7 +54,7 @@ def _add_bench(sub) -> None:
 def cmd_bench(args) -> int:
     import torch
 
-    from bole_tune.bench import BenchCase, DTYPES, bench_commit, bench_verify, environment
+    from bole_tune.bench import BenchCase, CaseBench, DTYPES, bench_commit, bench_verify, environment
     from bole_tune.profiles import ProfileError, resolve_model
 
     has_gpu = torch.cuda.is_available()
@@ -83,12 +83,14 @@ def cmd_bench(args) -> int:
         for batch in batches:
             for size in sizes:
                 case = BenchCase(shape, batch, size, dtype, args.max_depth, label=model.name)
-                rows.append(bench_verify("bole", case, device, repeats=args.repeats, eager=has_gpu))
+                bench = CaseBench(case, device)
+                case_rows = [bench_verify("bole", case, device, repeats=args.repeats, bench=bench, eager=has_gpu)]
                 if not args.no_serial:
-                    rows.append(bench_verify("serial", case, device, repeats=args.repeats))
+                    case_rows.append(bench_verify("serial", case, device, repeats=args.repeats, bench=bench))
                 if not args.no_commit:
-                    rows.append(bench_commit(case, device, repeats=args.repeats))
-                _print_progress(rows[-3 if not (args.no_serial or args.no_commit) else -1:])
+                    case_rows.append(bench_commit(case, device, repeats=args.repeats, bench=bench))
+                rows.extend(case_rows)
+                _print_progress(case_rows)
     console.print(_bench_table(rows))
     if args.json:
         _write_json(args.json, {"environment": env, "rows": rows})

@@ -1,9 +1,10 @@
 """Benchmarks of one GDN layer's verification: tree_verify against serial_verify, and tree_commit.
 
-Every case draws fresh random trees (depth <= 8 unless asked otherwise) and inputs, checks the
-kernel's output against the float64 reference once (a wrong kernel is never timed), then times it
-with `bole_tune.timing`. Rows carry the shape, the times (p20/p50/p80), the byte floor and the
-environment, so they can be written to BENCHMARKS.md or the tuning database as they are.
+A `CaseBench` holds one case (shape, batch, tree size, dtype): a fresh random instance with its
+float64 reference for the correctness gate, and rotating input sets larger than the L2 cache for
+timing. Every kernel is checked against the reference before it is timed; a wrong kernel is never
+timed. Rows carry the shape, the times (p20/p50/p80), the byte floor and the method, ready for
+BENCHMARKS.md or the tuning database.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import torch
 
 from bole_tune.config import KernelConfig
 from bole_tune.profiles import GDNShape
-from bole_tune.timing import l2_cache_bytes, rotation_count, time_eager_host, time_launches
+from bole_tune.timing import Timing, l2_cache_bytes, rotation_count, time_eager_host, time_launches
 from bole_tune.workloads import make_inputs, make_tree, relative_error
 
 COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (../shared/DESIGN.md §6)
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CHECK_BATCH = 2  # requests in the reference instance: the kernels do not depend on the batch size
+
+
+class WrongResult(AssertionError):
+    """A kernel's output disagrees with the float64 reference: it must not be timed or recorded."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,8 @@ class BenchCase:
         inputs = n * (2 * s.hk * s.dk + s.hv * s.dv) * element + 2 * n * s.hv * 4
         return state + inputs + n * s.hv * s.dv * element
 
-    def set_bytes(self) -> int:
-        return self.floor_bytes()
+    def state_bytes(self) -> int:
+        return self.batch * self.shape.hv * self.shape.dv * self.shape.dk * 4
 
 
 def environment() -> dict:
@@ -68,99 +74,128 @@ def environment() -> dict:
     return env
 
 
-def _build(case: BenchCase, device, num_sets: int, seed: int):
-    tree = make_tree([case.tree_size] * case.batch, max_depth=case.max_depth, seed=seed, device=device)
-    inputs = make_inputs(tree, case.shape.hk, case.shape.hv, case.shape.dk, case.shape.dv, case.dtype, device,
-                         num_slots=case.batch * num_sets, seed=seed)
-    slot_sets = [inputs.state_indices.new_tensor(list(range(i * case.batch, (i + 1) * case.batch)))
-                 for i in range(num_sets)]
-    # each set gets its own q, k, v, gates; the pool holds every set's slots
-    sets = [inputs] + [make_inputs(tree, case.shape.hk, case.shape.hv, case.shape.dk, case.shape.dv, case.dtype,
-                                   device, num_slots=1, seed=seed + i) for i in range(1, num_sets)]
-    return tree, inputs.state, sets, slot_sets
+class CaseBench:
+    """One case, ready to be checked and timed many times (configs, verifiers) without rebuilding."""
 
+    def __init__(self, case: BenchCase, device="cuda", seed: int = 0):
+        self.case, self.device, self.seed = case, torch.device(device), seed
+        self._reference = None
+        self._sets = {}
 
-class ReferenceCheck:
-    """A fresh random instance of a case and its float64 reference, computed once, checked many times."""
+    # correctness ------------------------------------------------------------------------------
+    def reference(self):
+        if self._reference is None:
+            from bole_tune.kernels.reference import verify_reference
 
-    def __init__(self, case: BenchCase, device, seed: int = 1):
-        from bole_tune.kernels.reference import verify_reference
+            c = self.case
+            tree = make_tree([c.tree_size] * min(c.batch, CHECK_BATCH), max_depth=c.max_depth,
+                             seed=self.seed + 1, device=self.device)
+            x = make_inputs(tree, c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, c.dtype, self.device,
+                            seed=self.seed + 1)
+            self._reference = (tree, x, verify_reference(*x.args(tree), keep_states=False))
+        return self._reference
 
-        self.case = case
-        self.tree = make_tree([case.tree_size] * case.batch, max_depth=case.max_depth, seed=seed, device=device)
-        s = case.shape
-        self.inputs = make_inputs(self.tree, s.hk, s.hv, s.dk, s.dv, case.dtype, device, seed=seed)
-        self.reference = verify_reference(*self.inputs.args(self.tree))
-
-    def error(self, verify, config=None) -> float:
-        """Relative error of ``verify``'s outputs (``config`` passed through) on this instance."""
+    def error(self, verify, config: KernelConfig | None = None) -> float:
+        """Relative error of ``verify`` (with ``config``, if it takes one) on the reference instance."""
+        tree, x, ref = self.reference()
         kwargs = {"config": config} if config is not None else {}
-        res = verify(*self.inputs.args(self.tree), validate=False, **kwargs)
-        return relative_error(res.o, self.reference.o)
+        res = verify(*x.args(tree), validate=False, **kwargs)
+        return relative_error(res.o, ref.o)
+
+    def check(self, verify, config: KernelConfig | None = None) -> float:
+        error = self.error(verify, config)
+        if not error <= TOLERANCE[self.case.dtype]:
+            raise WrongResult(f"{getattr(verify, '__name__', verify)} with {config} is wrong on {self.case}: "
+                              f"relative error {error:.2e} > {TOLERANCE[self.case.dtype]:.0e}")
+        return error
+
+    # timing -----------------------------------------------------------------------------------
+    def sets(self, most: int):
+        """(tree, pool, per-set inputs, per-set slot indices), enough sets to exceed the L2 cache."""
+        c = self.case
+        num_sets = rotation_count(c.floor_bytes(), l2_cache_bytes(self.device), most=most)
+        if num_sets not in self._sets:
+            tree = make_tree([c.tree_size] * c.batch, max_depth=c.max_depth, seed=self.seed, device=self.device)
+            s = c.shape
+            pool = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, num_slots=c.batch * num_sets,
+                               seed=self.seed).state
+            inputs = [make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, num_slots=1,
+                                  seed=self.seed + 100 + i) for i in range(num_sets)]
+            slots = [torch.arange(i * c.batch, (i + 1) * c.batch, dtype=torch.int32, device=self.device)
+                     for i in range(num_sets)]
+            self._sets = {num_sets: (tree, pool, inputs, slots)}
+        return self._sets[num_sets]
+
+    def time_verify(self, verify, config: KernelConfig | None = None, repeats: int = 50,
+                    most_sets: int = 64, eager: bool = False) -> tuple[Timing, float | None]:
+        tree, pool, inputs, slots = self.sets(most_sets)
+        kwargs = {"config": config} if config is not None else {}
+
+        def launch(i):
+            x = inputs[i]
+            verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, **kwargs)
+
+        timing = time_launches(launch, len(inputs), self.device, repeats=repeats)
+        host = time_eager_host(launch, len(inputs), self.device) if eager else None
+        return timing, host
+
+    def time_commit(self, repeats: int = 50) -> Timing:
+        """tree_commit of each request's deepest node, after a verification of each set."""
+        from bole_tune.kernels import tree_commit, tree_verify
+
+        tree, pool, inputs, slots = self.sets(64)
+        results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+                   for i, x in enumerate(inputs)]
+        depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+        accepted = torch.tensor([max(range(self.case.tree_size), key=lambda n: depths[offsets[r] + n])
+                                 for r in range(self.case.batch)], dtype=torch.int32, device=self.device)
+
+        def launch(i):
+            tree_commit(pool, slots[i], results[i], accepted, validate=False)
+
+        return time_launches(launch, len(inputs), self.device, repeats=repeats)
 
 
 def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig | None = None,
-                 repeats: int = 50, seed: int = 0, check: ReferenceCheck | bool = True, eager: bool = False) -> dict:
-    """Time one verifier ("bole" for tree_verify, "serial" for serial_verify) on one case.
-
-    ``check``: True checks against a fresh reference first; a `ReferenceCheck` reuses one.
-    """
+                 repeats: int = 50, bench: CaseBench | None = None, eager: bool = False) -> dict:
+    """Check, then time, one verifier ("bole": tree_verify, "serial": serial_verify) on one case."""
     from bole_tune.kernels import serial_verify, tree_verify
 
+    bench = bench or CaseBench(case, device)
     verify = {"bole": tree_verify, "serial": serial_verify}[impl]
-    if check is True:
-        check = ReferenceCheck(case, device)
-    error = check.error(verify, config if impl == "bole" else None) if check else None
-    if error is not None and error > TOLERANCE[case.dtype]:
-        raise AssertionError(f"{impl} is wrong on {case}: relative error {error:.2e}")
-    # the serial verifier's snapshots dominate its traffic: two sets suffice and keep memory bounded
-    most = 2 if impl == "serial" else 64
-    num_sets = rotation_count(case.set_bytes(), l2_cache_bytes(device), most=most)
-    tree, pool, sets, slot_sets = _build(case, device, num_sets, seed)
-    kwargs = {"config": config} if impl == "bole" else {}
-
-    def launch(i):
-        x = sets[i]
-        verify(x.q, x.k, x.v, x.g, x.beta, pool, slot_sets[i], tree, validate=False, **kwargs)
-
-    timing = time_launches(launch, num_sets, device, repeats=repeats)
+    error = bench.check(verify, config if impl == "bole" else None)
+    # the serial verifier's snapshots dominate its traffic: two sets suffice and bound its memory
+    timing, host = bench.time_verify(verify, config if impl == "bole" else None, repeats,
+                                     most_sets=2 if impl == "serial" else 64, eager=eager)
     row = _row("tree_verify" if impl == "bole" else "serial_verify", case, timing, device)
     row["rel_error"] = error
     if impl == "bole":
-        from bole_tune.lookup import config_for
-        from bole_tune.kernels.common import VerifyShape
-        used = config or config_for(VerifyShape(tree.num_nodes, case.batch, pool.shape[0], case.shape.hk,
-                                                case.shape.hv, case.shape.dk, case.shape.dv, 1.0),
-                                    case.dtype, tree, torch.device(device))
-        row["config"] = used.as_dict()
-    if eager:
-        row["eager_host_us"] = round(time_eager_host(launch, num_sets, device), 2)
+        row["config"] = (config or _launched_config(bench)).as_dict()
+    if host is not None:
+        row["eager_host_us"] = round(host, 2)
     return row
 
 
-def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, seed: int = 0) -> dict:
-    """Time tree_commit of one accepted path per request (the deepest node) after a verification."""
-    from bole_tune.kernels import tree_commit, tree_verify
+def _launched_config(bench: CaseBench) -> KernelConfig:
+    from bole_tune.kernels.common import VerifyShape
+    from bole_tune.lookup import config_for
 
-    num_sets = rotation_count(case.batch * case.shape.hv * case.shape.dv * case.shape.dk * 8, l2_cache_bytes(device))
-    tree, pool, sets, slot_sets = _build(case, device, num_sets, seed)
-    results = [tree_verify(*sets[i].args(tree)[:5], pool, slot_sets[i], tree, validate=False) for i in range(num_sets)]
-    depths = tree.node_depth.tolist()
-    offsets = tree.offsets.tolist()
-    accepted = torch.tensor([max(range(case.tree_size), key=lambda n: depths[offsets[r] + n])
-                             for r in range(case.batch)], dtype=torch.int32, device=device)
+    c = bench.case
+    tree, pool, _, _ = bench.sets(64)
+    shape = VerifyShape(tree.num_nodes, c.batch, pool.shape[0], c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, 1.0)
+    return config_for(shape, c.dtype, tree, bench.device)
 
-    def launch(i):
-        tree_commit(pool, slot_sets[i], results[i], accepted, validate=False)
 
-    timing = time_launches(launch, num_sets, device, repeats=repeats)
-    row = _row("tree_commit", case, timing, device)
-    state_bytes = 2 * case.batch * case.shape.hv * case.shape.dv * case.shape.dk * 4
-    row["floor_us"] = round(state_bytes / COPY_BANDWIDTH_H200 * 1e6, 2)
+def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseBench | None = None) -> dict:
+    """Time tree_commit of one accepted path per request (each request's deepest node)."""
+    bench = bench or CaseBench(case, device)
+    row = _row("tree_commit", case, bench.time_commit(repeats), device)
+    row["floor_us"] = round(2 * case.state_bytes() / COPY_BANDWIDTH_H200 * 1e6, 2)
+    row["floor_fraction"] = round(row["floor_us"] / row["p50_us"], 3)
     return row
 
 
-def _row(kernel: str, case: BenchCase, timing, device) -> dict:
+def _row(kernel: str, case: BenchCase, timing: Timing, device) -> dict:
     floor_us = case.floor_bytes() / COPY_BANDWIDTH_H200 * 1e6
     s = case.shape
     return {

@@ -72,26 +72,27 @@ def make_inputs(tree: TreeBatch, hk: int, hv: int, dk: int, dv: int, dtype=torch
     Slots are a random permutation of a pool with spare slots, so tests see slots the batch never
     names. ``g_range`` bounds the log-decay; beta is uniform in [0, 1].
     """
-    device = device or tree.device
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.device(device or tree.device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     n, b = tree.num_nodes, tree.num_requests
     num_slots = num_slots or 2 * b + 1
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen)
+        return torch.randn(*shape, generator=gen, device=device)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, device=device)
 
     lo, hi = g_range
-    g = lo + (hi - lo) * torch.rand(n, hv, generator=gen)
-    beta = torch.rand(n, hv, generator=gen)
-    slots = torch.randperm(num_slots, generator=gen)[:b]
+    slots = torch.randperm(num_slots, generator=gen, device=device)[:b]
     return GDNInputs(
-        q=randn(n, hk, dk).to(device, dtype),
-        k=randn(n, hk, dk).to(device, dtype),
-        v=randn(n, hv, dv).to(device, dtype),
-        g=g.to(device, gate_dtype),
-        beta=beta.to(device, gate_dtype),
-        state=(state_scale * randn(num_slots, hv, dv, dk)).to(device, torch.float32),
-        state_indices=slots.to(device, torch.int32),
+        q=randn(n, hk, dk).to(dtype),
+        k=randn(n, hk, dk).to(dtype),
+        v=randn(n, hv, dv).to(dtype),
+        g=(lo + (hi - lo) * rand(n, hv)).to(gate_dtype),
+        beta=rand(n, hv).to(gate_dtype),
+        state=state_scale * randn(num_slots, hv, dv, dk),
+        state_indices=slots.to(torch.int32),
     )
 
 

@@ -53,8 +53,12 @@ def prepare_qk(q, k, hv, scale, use_qk_l2norm, dtype):
 
 
 def verify_reference(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None,
-                     use_qk_l2norm=True) -> ReferenceResult:
-    """The recurrence, node by node, in float64 on the inputs' device. Same arguments as `tree_verify`."""
+                     use_qk_l2norm=True, keep_states: bool = True) -> ReferenceResult:
+    """The recurrence, node by node, in float64 on the inputs' device. Same arguments as `tree_verify`.
+
+    ``keep_states=False`` frees each node's state once its children are done (``states`` is then
+    None): enough to check outputs of large batches without holding a state per node.
+    """
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate=False)
     f64, device = torch.float64, q.device
     qn, kn = prepare_qk(q.detach(), k.detach(), shape.hv, shape.scale, use_qk_l2norm, f64)
@@ -62,19 +66,33 @@ def verify_reference(q, k, v, g, beta, state, state_indices, tree: TreeBatch, sc
     gamma = torch.exp(g.detach().to(f64))
     beta64 = beta.detach().to(f64)
     pool = state.detach()
-    states = torch.empty(shape.num_nodes, shape.hv, shape.dv, shape.dk, dtype=f64, device=device)
+    states = torch.empty(shape.num_nodes, shape.hv, shape.dv, shape.dk, dtype=f64, device=device) if keep_states else None
     o = torch.empty(shape.num_nodes, shape.hv, shape.dv, dtype=f64, device=device)
     offsets = tree.offsets.tolist()
     for r, slot in enumerate(_ints(state_indices)):
         s_pre = pool[slot].to(f64)
-        for n, p in enumerate(tree.parents_of(r)):
+        parents = tree.parents_of(r)
+        pending = [0] * len(parents)  # children not yet computed, per node
+        for p in parents:
+            if p >= 0:
+                pending[p] += 1
+        live = {}
+        for n, p in enumerate(parents):
             i = offsets[r] + n
-            s_parent = s_pre if p < 0 else states[offsets[r] + p]
+            s_parent = s_pre if p < 0 else live[p]
             # slot layout: s[h, value, key]; S^T k is s @ k.
             predicted = torch.einsum("hvk,hk->hv", s_parent, kn[i])
             u = beta64[i, :, None] * (v64[i] - gamma[i, :, None] * predicted)
-            states[i] = gamma[i, :, None, None] * s_parent + u[:, :, None] * kn[i][:, None, :]
-            o[i] = torch.einsum("hvk,hk->hv", states[i], qn[i])
+            s_node = gamma[i, :, None, None] * s_parent + u[:, :, None] * kn[i][:, None, :]
+            o[i] = torch.einsum("hvk,hk->hv", s_node, qn[i])
+            if keep_states:
+                states[i] = s_node
+            if pending[n]:
+                live[n] = s_node
+            if p >= 0:
+                pending[p] -= 1
+                if not pending[p]:
+                    del live[p]
     return ReferenceResult(o=o, states=states)
 
 

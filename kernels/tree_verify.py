@@ -35,7 +35,9 @@ from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_d
 DOUBLING_MAX_DEPTH = 8
 
 
-@triton.jit
+# head counts and the block table's width vary per model and batch without changing the code:
+# leaving them unspecialised lets one compiled kernel serve every model with the same head sizes
+@triton.jit(do_not_specialize=["max_blocks", "H_V", "H_K"])
 def tree_verify_fwd_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
@@ -44,13 +46,12 @@ def tree_verify_fwd_kernel(
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
     # scalars and strides
-    scale, max_blocks,
+    scale, max_blocks, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
     stride_s_slot, stride_s_h, stride_s_v,
     # sizes and meta-parameters
-    H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+    D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     DOUBLING_MAX_DEPTH: tl.constexpr,
 ):
@@ -231,11 +232,11 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
         res.o, res.u, res.log_decay, res.k, res.k_scale,
-        shape.scale, max_blocks,
+        shape.scale, max_blocks, hv, hk,
         sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+        D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
         USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
         DOUBLING_MAX_DEPTH=DOUBLING_MAX_DEPTH,
         num_warps=config.num_warps, num_stages=config.num_stages,
