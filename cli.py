@@ -123,6 +123,456 @@ def _write_json(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
+def _add_common_db(p) -> None:
+    p.add_argument("--db-dir", type=Path, help="tuning database folder (default: $BOLE_TUNE_DB, else "
+                                                  "~/.local/share/bole-tune/tuning_db)")
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="fingerprint this machine's GPU (NVML matched by UUID / PCI bus id)",
+                       description="Print what bole-tune records about this GPU (or the CPU without one): name, "
+                                   "UUID, PCI bus id, compute capability, SMs, memory, caches, driver and CUDA "
+                                   "versions, clocks and power limit, and the database file it maps to.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--device", default=None, help="torch device, e.g. cuda:1 (default: the current one)")
+    p.set_defaults(func=cmd_env)
+
+
+def cmd_env(args) -> int:
+    from bole_tune.database import database_path, default_directory
+    from bole_tune.fingerprint import fingerprint
+
+    try:
+        fp = fingerprint(args.device)
+    except (RuntimeError, AssertionError, ValueError) as error:
+        raise UsageError(f"--device {args.device}: {error}") from None
+    if args.json:
+        print(json.dumps({**fp.as_dict(), "database": str(database_path(fp.slug, default_directory()))}, indent=1))
+        return 0
+    table = Table(title=f"{fp.name} ({fp.source})", show_header=False)
+    table.add_column("fact", style="bold")
+    table.add_column("value")
+    table.add_row("slug", fp.slug)
+    for key, value in fp.facts.items():
+        table.add_row(key, str(value))
+    table.add_row("database file", str(database_path(fp.slug, default_directory())))
+    console.print(table)
+    if fp.kind == "cpu":
+        console.print("[yellow]No CUDA GPU: tile configs cannot be tuned here; profile measures the CPU fallback.[/]")
+    return 0
+
+
+def _add_tuning_args(p, curves: bool) -> None:
+    p.add_argument("--model", action="append", help="model profile, repeatable (default: qwen3.5-9b, qwen3.5-27b, "
+                                                     "qwen3.5-122b-a10b)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="input dtype (default bf16)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: heads per rank = heads / tp")
+    p.add_argument("--quick", action="store_true", help="small grid (batch 1,4,16; tree 16,64,128) and 16 trials")
+    p.add_argument("--batch", type=_positive_ints, help="batch sizes to tune" + (" and measure" if curves else ""))
+    p.add_argument("--tree-size", type=_positive_ints, help="tree sizes (nodes per request)")
+    p.add_argument("--trials", type=int, help="Optuna trials per bucket (default 24, 16 with --quick)")
+    p.add_argument("--storage", help="Optuna storage URL (default: an SQLite file in ~/.cache/bole-tune); "
+                                     "an interrupted run resumes from it")
+    p.add_argument("--repeats", type=int, default=30, help="timed CUDA-graph replays per measurement")
+    p.add_argument("--replace-corrupt", action="store_true",
+                   help="if the database file is corrupt, keep a backup of it and start a new one")
+    _add_common_db(p)
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="tune every bucket and measure latency curves; write the tuning database",
+                       description="The main job. For each model's GDN shape: tune tree_verify's tile configs per "
+                                   "(tree size, batch) bucket with Optuna (every candidate checked against the float64 "
+                                   "reference first), then measure per-layer latency of tree_verify (tuned and "
+                                   "default), serial_verify and tree_commit against tree size and batch, and write "
+                                   "everything with provenance to <db-dir>/<gpu>.yaml. Without a GPU it measures "
+                                   "the CPU fallback and says so.")
+    _add_tuning_args(p, curves=True)
+    p.add_argument("--no-serial", action="store_true", help="skip the serial baseline curve")
+    p.add_argument("--curve-batch", type=_positive_ints, help="batch sizes of the latency curves (default: as tuned)")
+    p.add_argument("--curve-tree-size", type=_positive_ints, help="tree sizes of the latency curves (default: as tuned)")
+    p.set_defaults(func=cmd_profile)
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="tune tile configs per bucket (no curves)",
+                       description="Run the Optuna studies only. --exhaustive measures every config instead (the "
+                                   "yardstick); --record FILE saves every measurement; --replay FILE runs the tuner "
+                                   "on recorded measurements (no GPU needed).")
+    _add_tuning_args(p, curves=False)
+    p.add_argument("--exhaustive", action="store_true", help="measure every config of the search space")
+    p.add_argument("--record", type=Path, help="write every measurement to this JSON file")
+    p.add_argument("--replay", type=Path, help="answer from a recording instead of the GPU")
+    p.set_defaults(func=cmd_tune)
+
+
+def _plan(args, curves: bool):
+    from bole_tune.profiler import (FULL_BATCHES, FULL_TREE_SIZES, QUICK_BATCHES, QUICK_TREE_SIZES, ProfilePlan)
+    from bole_tune.profiles import ProfileError, resolve_model
+
+    names = args.model or ["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b"]
+    try:
+        models = [resolve_model(m) for m in names]
+        for model in models:
+            model.gdn(args.tp)
+    except (ProfileError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    batches = tuple(args.batch or (QUICK_BATCHES if args.quick else FULL_BATCHES))
+    sizes = tuple(args.tree_size or (QUICK_TREE_SIZES if args.quick else FULL_TREE_SIZES))
+    trials = args.trials or (16 if args.quick else 24)
+    if trials < 1:
+        raise UsageError("--trials: must be at least 1")
+    if args.repeats < 3:
+        raise UsageError("--repeats: must be at least 3")
+    return ProfilePlan(models=models, dtype=args.dtype, tp=args.tp, tune_batches=batches, tune_tree_sizes=sizes,
+                       curve_batches=tuple(getattr(args, "curve_batch", None) or batches),
+                       curve_tree_sizes=tuple(getattr(args, "curve_tree_size", None) or sizes),
+                       n_trials=trials, repeats=args.repeats, serial=not getattr(args, "no_serial", False))
+
+
+def _db_path(args, slug: str) -> Path:
+    from bole_tune.database import database_path
+    return database_path(slug, args.db_dir)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console)
+
+
+def _all_keys(plan):
+    from bole_tune.database import ShapeKey, batch_bucket, tree_bucket
+
+    keys = []
+    for model in plan.models:
+        shape = model.gdn(plan.tp)
+        for size in plan.tune_tree_sizes:
+            for batch in plan.tune_batches:
+                keys.append(ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
+                                     batch_bucket(batch), plan.tp))
+    return keys
+
+
+def _precompile(runner, keys, space) -> None:
+    """Compile every feasible config in parallel worker processes first (GPU runs only)."""
+    from bole_tune.precompile import precompile
+    from bole_tune.runners import GPURunner
+    from bole_tune.search_space import feasible
+
+    if not isinstance(getattr(runner, "inner", runner), GPURunner) or runner.fingerprint().kind != "gpu":
+        return
+    limit = runner.fingerprint().facts.get("max_shared_memory_per_block_bytes")
+    configs = [c for c in space.configs() if any(feasible(c, k.dk, k.dv, k.tree_bucket, k.dtype, limit)[0]
+                                                 for k in keys)]
+    with _progress() as bar:
+        task = bar.add_task("compiling candidates in parallel", total=None)
+        count = precompile(keys, configs, progress=lambda total: bar.update(task, total=total, advance=1))
+    console.print(f"compiled {count} kernel variants ahead of the search")
+
+
+def _run_tuning(args, plan, runner, storage, db_path, space) -> list:
+    from bole_tune.profiler import tune_model
+
+    _precompile(runner, _all_keys(plan), space)
+    results = []
+    total = len(plan.models) * len(plan.tune_batches) * len(plan.tune_tree_sizes) * plan.n_trials
+    with _progress() as bar:
+        task = bar.add_task("tuning", total=total)
+
+        def on_trial(config, m):
+            bar.advance(task)
+
+        def on_bucket(result):
+            done = (len(results) + 1) * plan.n_trials
+            bar.update(task, completed=done, description=f"tuning {result.key.text}")
+            results.append(result)
+
+        for model in plan.models:
+            tune_model(runner, model, plan, storage, db_path, space, progress=on_bucket, on_trial=on_trial)
+    return results
+
+
+def _tuning_table(results) -> Table:
+    from bole_tune.profiler import geometric_mean
+
+    table = Table(title="tuned tile configs (tree_verify, one GDN layer)")
+    for column in ("bucket", "best config", "p50 us", "default us", "speedup", "measured", "wrong", "infeasible"):
+        table.add_column(column, justify="left" if column in ("bucket", "best config") else "right")
+    for r in results:
+        if r.best is None:
+            table.add_row(r.key.text, "[red]none worked[/]", "", "", "", str(r.counts.get("measured", 0)),
+                          str(r.counts.get("wrong", 0)), str(r.counts.get("infeasible", 0)))
+            continue
+        d = r.default_measurement
+        table.add_row(r.key.text, str(r.best), f"{r.best_measurement.p50_us:.1f}",
+                      f"{d.p50_us:.1f}" if d and d.status == "ok" else "-",
+                      f"{r.speedup:.2f}x" if r.speedup else "-", str(r.counts.get("measured", 0)),
+                      str(r.counts.get("wrong", 0)), str(r.counts.get("infeasible", 0)))
+    speedups = [r.speedup for r in results if r.speedup]
+    if speedups:
+        table.caption = f"geometric-mean speedup over the default config: {geometric_mean(speedups):.2f}x"
+    return table
+
+
+def _open_storage(args):
+    from bole_tune.tuner import open_storage
+    try:
+        return open_storage(args.storage)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _search_space():
+    from bole_tune.profiles import ProfileError
+    from bole_tune.search_space import SearchSpace
+    try:
+        return SearchSpace.load()
+    except ProfileError as error:
+        raise UsageError(str(error)) from None
+
+
+def cmd_profile(args) -> int:
+    import torch
+
+    from bole_tune.database import DatabaseError
+    from bole_tune.profiler import measure_curves
+    from bole_tune.runners import GPURunner
+
+    plan = _plan(args, curves=True)
+    space = _search_space()
+    runner = GPURunner("cuda" if torch.cuda.is_available() else "cpu", repeats=plan.repeats)
+    fp = runner.fingerprint()
+    db_path = _db_path(args, fp.slug)
+    _prepare_database(db_path, args.replace_corrupt)
+    console.print(f"[bold]bole-tune profile[/] on {fp.name} -> {db_path}")
+    results = []
+    try:
+        if fp.kind == "gpu":
+            storage = _open_storage(args)
+            results = _run_tuning(args, plan, runner, storage, db_path, space)
+            console.print(_tuning_table(results))
+        else:
+            console.print("[yellow]No CUDA GPU: tile configs exist only for the Triton kernels on a GPU, so nothing "
+                          "is tuned. Measuring the PyTorch closed-form fallback (and its commit) on the CPU with the "
+                          "wall clock instead; the database records these as CPU fallback curves.[/]")
+            if not (args.batch or args.tree_size or args.curve_batch or args.curve_tree_size):
+                plan.curve_batches, plan.curve_tree_sizes = (1, 2), (8, 16)
+        total = len(plan.models) * len(plan.curve_batches) * len(plan.curve_tree_sizes)
+        rows = []
+        with _progress() as bar:
+            task = bar.add_task("latency curves", total=total)
+            for model in plan.models:
+                rows += measure_curves(model, plan, runner.device, db_path, fp,
+                                       progress=lambda m, b, t, _: bar.update(task, advance=1,
+                                                                              description=f"{m.name} B={b} T={t}"))
+    except DatabaseError as error:
+        raise UsageError(str(error)) from None
+    console.print(_curve_table(rows))
+    console.print(f"database written: {db_path}")
+    return 0
+
+
+def _prepare_database(db_path, replace_corrupt: bool) -> None:
+    from bole_tune import database
+
+    if not db_path.exists():
+        return
+    try:
+        database.load(db_path)
+    except database.DatabaseError as error:
+        backup = database.backup_corrupt(db_path)
+        if not replace_corrupt:
+            raise UsageError(f"{error}. A copy is kept at {backup}; fix or remove the file, or pass "
+                             "--replace-corrupt to start a new one.") from None
+        db_path.unlink()
+        err_console.print(f"[yellow]{error}; a copy is kept at {backup} and a new database is started.[/]")
+
+
+def _curve_table(rows) -> Table:
+    table = Table(title="per-layer latency, p50 us (median of timed replays)")
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    table.add_column("model")
+    table.add_column("B", justify="right")
+    table.add_column("T", justify="right")
+    for k in kernels:
+        table.add_column(k, justify="right")
+    grouped = {}
+    for r in rows:
+        grouped.setdefault((r["model"], r["batch"], r["tree_size"]), {})[r["kernel"]] = r["p50"]
+    for (model, batch, size), values in grouped.items():
+        table.add_row(model, str(batch), str(size), *[f"{values[k]:.1f}" if k in values else "" for k in kernels])
+    return table
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from bole_tune.database import DatabaseError, ShapeKey, batch_bucket, tree_bucket
+    from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
+    from bole_tune.tuner import exhaustive_bucket
+
+    plan = _plan(args, curves=False)
+    space = _search_space()
+    if args.replay:
+        try:
+            runner = ReplayRunner(args.replay)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    else:
+        if not torch.cuda.is_available():
+            raise UsageError("no CUDA GPU: tile configs can only be tuned on a GPU (or use --replay FILE)")
+        runner = GPURunner("cuda", repeats=plan.repeats)
+    if args.record:
+        runner = RecordingRunner(runner, args.record)
+    fp = runner.fingerprint()
+    db_path = _db_path(args, fp.slug)
+    _prepare_database(db_path, args.replace_corrupt)
+    console.print(f"[bold]bole-tune tune[/] with {runner.name} -> {db_path}")
+    if args.exhaustive:
+        _precompile(runner, _all_keys(plan), space)
+        with _progress() as bar:
+            total = len(plan.models) * len(plan.tune_batches) * len(plan.tune_tree_sizes) * len(space.configs())
+            task = bar.add_task("exhaustive", total=total)
+            for model in plan.models:
+                shape = model.gdn(plan.tp)
+                for size in plan.tune_tree_sizes:
+                    for batch in plan.tune_batches:
+                        key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
+                                       batch_bucket(batch), plan.tp)
+                        bar.update(task, description=f"exhaustive {key.text}")
+                        found = exhaustive_bucket(runner, key, space, on_trial=lambda c, m: bar.advance(task))
+                        ok = {c: m for c, m in found.items() if m.status == "ok"}
+                        if ok:
+                            best = min(ok, key=lambda c: ok[c].p50_us)
+                            console.print(f"  {key.text}: best {best} {ok[best].p50_us:.1f} us of {len(ok)} working")
+        return 0
+    try:
+        results = _run_tuning(args, plan, runner, _open_storage(args), db_path, space)
+    except DatabaseError as error:
+        raise UsageError(str(error)) from None
+    console.print(_tuning_table(results))
+    console.print(f"database written: {db_path}")
+    return 0
+
+
+def _add_show(sub) -> None:
+    p = sub.add_parser("show", help="render a tuning database (rich tables, or --json)",
+                       description="Show the tuned configs, curves and budgets of one GPU's database.")
+    p.add_argument("--gpu", help="GPU slug, e.g. nvidia-h200 (default: this machine's)")
+    p.add_argument("--file", type=Path, help="a database file to show instead")
+    p.add_argument("--json", action="store_true", help="print the database as JSON")
+    _add_common_db(p)
+    p.set_defaults(func=cmd_show)
+
+
+def _resolve_db_file(args) -> Path:
+    from bole_tune.database import database_path, search_directories
+    from bole_tune.fingerprint import fingerprint
+
+    if args.file:
+        return args.file
+    slug = args.gpu or fingerprint().slug
+    folders = [args.db_dir] if args.db_dir else search_directories()
+    for folder in folders:
+        path = database_path(slug, folder)
+        if path.exists():
+            return path
+    raise UsageError(f"no tuning database for {slug} in {', '.join(map(str, folders))} (run bole-tune profile)")
+
+
+def cmd_show(args) -> int:
+    from bole_tune import database
+
+    path = _resolve_db_file(args)
+    try:
+        data = database.load(path)
+    except database.DatabaseError as error:
+        raise UsageError(str(error)) from None
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+        return 0
+    device = data.get("device", {})
+    console.print(f"[bold]{path}[/] — {device.get('name', '?')} (schema {data['schema_version']})")
+    table = Table(title="tuned configs")
+    for column in ("bucket", "config", "p50 us", "p20-p80", "default us", "speedup", "trials", "triton", "date"):
+        table.add_column(column)
+    for name, e in sorted(data["configs"].items(), key=lambda kv: database.ShapeKey.from_dict(kv[1]["key"])):
+        c, lat = e["config"], e["latency_us"]
+        prov = e["provenance"]
+        table.add_row(name, f"{c['b_k']}/{c['b_v']}/{c['num_warps']}w/{c['num_stages']}s", f"{lat['p50']:.1f}",
+                      f"{lat['p20']:.1f}-{lat['p80']:.1f}",
+                      f"{e['default_latency_us']['p50']:.1f}" if "default_latency_us" in e else "-",
+                      f"{e['speedup_vs_default']:.2f}x" if "speedup_vs_default" in e else "-",
+                      str(e.get("trials", {}).get("measured", "")), str(prov.get("triton", "")),
+                      str(prov.get("date", ""))[:10])
+    console.print(table)
+    for name, curve in data["curves"].items():
+        points = curve["points"]
+        summary = ", ".join(f"B{p['batch']}/T{p['tree_size']}: {p['p50']:.1f}" for p in points[:8])
+        more = f" (+{len(points) - 8} more)" if len(points) > 8 else ""
+        console.print(f"[bold]curve[/] {name}: {summary}{more} us")
+    for section in ("budgets", "step_curves"):
+        if data.get(section):
+            console.print(f"[bold]{section}[/]: {', '.join(data[section])}")
+    return 0
+
+
+def _add_lookup(sub) -> None:
+    p = sub.add_parser("lookup", help="print the config the runtime would pick for a shape, and why",
+                       description="Resolve a tile config the way tree_verify(config=None) does: the exact bucket, "
+                                   "else the nearest tuned bucket, else the default (policy from BOLE_TUNE_LOOKUP).")
+    p.add_argument("--gpu", help="GPU slug (default: this machine's)")
+    for name in ("hv", "hk", "dk", "dv"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--tree-size", type=int, required=True, help="nodes of the largest tree in the batch")
+    p.add_argument("--batch", type=int, required=True, help="requests in the batch")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--policy", choices=["nearest", "strict", "default"], help="override BOLE_TUNE_LOOKUP")
+    p.add_argument("--json", action="store_true")
+    _add_common_db(p)
+    p.set_defaults(func=cmd_lookup)
+
+
+def cmd_lookup(args) -> int:
+    from bole_tune import database
+    from bole_tune.config import SUPPORTED_HEAD_DIMS
+    from bole_tune.fingerprint import fingerprint
+    from bole_tune.lookup import decide, policy
+
+    for name in ("hv", "hk", "tree_size", "batch", "tp"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer")
+    for name in ("dk", "dv"):
+        if getattr(args, name) not in SUPPORTED_HEAD_DIMS:
+            raise UsageError(f"--{name}: {getattr(args, name)} is not a supported head size {SUPPORTED_HEAD_DIMS}")
+    if args.hv % args.hk:
+        raise UsageError(f"--hv {args.hv} must be a multiple of --hk {args.hk}")
+    slug = args.gpu or fingerprint().slug
+    key = database.ShapeKey(args.hv, args.hk, args.dk, args.dv, args.dtype, database.tree_bucket(args.tree_size),
+                            database.batch_bucket(args.batch), args.tp)
+    entries = None
+    if args.db_dir:
+        path = database.database_path(slug, args.db_dir)
+        try:
+            entries = database.load(path)["configs"] if path.exists() else {}
+        except database.DatabaseError as error:
+            raise UsageError(str(error)) from None
+    try:
+        mode = args.policy or policy()
+        decision = decide(key, slug, mode, entries=entries)
+    except (LookupError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    result = {"gpu": slug, "key": key.text, "policy": mode, "how": decision.how, "reason": decision.reason,
+              "config": decision.config.as_dict(), "tuned_p50_us": decision.latency_us}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    console.print(f"{key.text} on {slug}: [bold]{decision.config}[/] ({decision.how}: {decision.reason})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bole-tune",
@@ -130,6 +580,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "benchmark, tune and look up the Bole verifier on your GPU.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_profile(sub)
+    _add_tune(sub)
+    _add_show(sub)
+    _add_lookup(sub)
+    _add_env(sub)
     _add_bench(sub)
     return parser
 
@@ -149,6 +604,12 @@ def main(argv=None) -> int:
     except UsageError as error:
         err_console.print(f"[red]bole-tune {args.command}: {error}[/]")
         return 2
+    except Exception as error:
+        from bole_tune.runners import DeviceLost
+        if not isinstance(error, DeviceLost):
+            raise
+        err_console.print(f"[red]bole-tune {args.command}: {error}[/]")
+        return 3
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         return 130

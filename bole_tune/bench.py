@@ -63,7 +63,7 @@ def environment() -> dict:
 
     from bole_tune import __version__
 
-    env = {"torch": torch.__version__, "triton": triton.__version__, "bole_tune": __version__,
+    env = {"torch": str(torch.__version__), "triton": str(triton.__version__), "bole_tune": __version__,
            "python": platform.python_version(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():

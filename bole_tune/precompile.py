@@ -1,0 +1,68 @@
+"""Compile many tile configs at once, in worker processes, into Triton's on-disk cache.
+
+Tuning on a GPU is dominated by compile time (each config is its own kernel), not by timing. Worker
+processes compile candidates in parallel by running tree_verify once on a one-request instance with
+exactly the launch's specialisation (same head sizes, dtype and node block); the tuner's own launches
+then load the cached binaries. Failures are ignored here: the tuner meets them again and records them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+
+from bole_tune.config import KernelConfig
+from bole_tune.database import ShapeKey
+
+
+def _compile(key_dict: dict, configs: list[tuple]) -> int:
+    import torch
+
+    from bole_tune.bench import DTYPES
+    from bole_tune.kernels import tree_verify
+    from bole_tune.workloads import make_inputs, make_tree
+
+    key = ShapeKey.from_dict(key_dict)
+    tree = make_tree([key.tree_bucket], device="cuda")
+    x = make_inputs(tree, key.hk, key.hv, key.dk, key.dv, DTYPES[key.dtype], "cuda")
+    done = 0
+    for values in configs:
+        try:
+            tree_verify(*x.args(tree), config=KernelConfig(*values), validate=False)
+            torch.cuda.synchronize()
+            done += 1
+        except Exception:  # recorded by the tuner when it meets the config
+            torch.cuda.synchronize()
+    return done
+
+
+def precompile(keys: list[ShapeKey], configs: list[KernelConfig], workers: int | None = None,
+               progress=None) -> int:
+    """Compile ``configs`` for every distinct specialisation among ``keys``; returns how many compiled."""
+    import torch
+
+    if not torch.cuda.is_available() or not configs:
+        return 0
+    from bole_tune.config import node_block
+
+    distinct = {}
+    for key in keys:  # the kernel is specialised on head sizes, dtype and node block, not on batch or heads
+        distinct.setdefault((key.dk, key.dv, key.dtype, node_block(key.tree_bucket)), key)
+    workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+    tasks = []
+    for key in distinct.values():
+        values = [(c.b_k, c.b_v, c.num_warps, c.num_stages) for c in configs if c.fits(key.dk, key.dv)]
+        chunk = max(1, -(-len(values) // workers))
+        tasks += [(key.as_dict(), values[i:i + chunk]) for i in range(0, len(values), chunk)]
+    compiled = 0
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_compile, *task) for task in tasks]
+        for future in as_completed(futures):
+            try:
+                compiled += future.result()
+            except Exception:  # a worker that died (e.g. a crashing config) costs only its chunk
+                pass
+            if progress:
+                progress(len(futures))
+    return compiled

@@ -1,0 +1,163 @@
+"""What measures a tile config for the tuner: the GPU, or a replay of recorded measurements.
+
+`GPURunner` checks each candidate against the float64 reference on the bucket's shape (a wrong
+config is reported as ``wrong`` and never timed), then times it. Compile failures, out-of-resources
+and out-of-memory are ``infeasible``; the search goes on. `ReplayRunner` answers from a file of
+recorded measurements, so the whole tuning loop runs and is tested on a CPU; `RecordingRunner`
+writes such a file while it measures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bole_tune.atomic import write_text_atomic
+from bole_tune.config import KernelConfig
+from bole_tune.database import ShapeKey
+from bole_tune.fingerprint import Fingerprint, fingerprint
+
+STATUSES = ("ok", "wrong", "infeasible")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    status: str  # ok, wrong, infeasible
+    p20_us: float = 0.0
+    p50_us: float = 0.0
+    p80_us: float = 0.0
+    rel_error: float | None = None
+    message: str = ""
+    method: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Measurement":
+        if data.get("status") not in STATUSES:
+            raise ValueError(f"status: expected one of {STATUSES}, got {data.get('status')!r}")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class DeviceLost(RuntimeError):
+    """The GPU context is unusable (an illegal memory access, say); the run must restart to resume."""
+
+
+def config_text(config: KernelConfig) -> str:
+    return f"{config.b_k}/{config.b_v}/{config.num_warps}/{config.num_stages}"
+
+
+class GPURunner:
+    """Measures configs on a CUDA device (or, without one, the CPU fallback, which ignores configs)."""
+
+    def __init__(self, device="cuda", repeats: int = 30):
+        import torch
+
+        self.device = torch.device(device)
+        self.repeats = repeats
+        self._bench_key = None
+        self._bench = None
+        self.name = f"{'GPU' if self.device.type == 'cuda' else 'CPU'} runner ({self.device})"
+
+    def fingerprint(self) -> Fingerprint:
+        return fingerprint(self.device)
+
+    def bench(self, key: ShapeKey, max_depth: int = 8):
+        """The `CaseBench` of ``key`` (one kept at a time: buckets are tuned one after another)."""
+        from bole_tune.bench import DTYPES, BenchCase, CaseBench
+        from bole_tune.profiles import GDNShape
+
+        if self._bench_key != key:
+            case = BenchCase(GDNShape(key.hk, key.hv, key.dk, key.dv), key.batch_bucket, key.tree_bucket,
+                             DTYPES[key.dtype], max_depth)
+            self._bench, self._bench_key = CaseBench(case, self.device), key
+        return self._bench
+
+    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        import torch
+        import triton
+
+        from bole_tune.bench import TOLERANCE, DTYPES
+        from bole_tune.kernels import tree_verify
+
+        bench = self.bench(key)
+        try:
+            error = bench.error(tree_verify, config)
+            if not error <= TOLERANCE[DTYPES[key.dtype]]:
+                return Measurement("wrong", rel_error=error,
+                                   message=f"relative error {error:.2e} against the float64 reference")
+            timing, _ = bench.time_verify(tree_verify, config, repeats=self.repeats)
+        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as error:
+            return Measurement("infeasible", message=f"{type(error).__name__}: {str(error)[:300]}")
+        except torch.cuda.OutOfMemoryError as error:
+            torch.cuda.empty_cache()
+            return Measurement("infeasible", message=f"out of memory: {str(error)[:200]}")
+        except RuntimeError as error:
+            text = str(error)
+            if "illegal memory access" in text or "unspecified launch failure" in text or "misaligned" in text:
+                raise DeviceLost(f"{config} crashed the GPU context on {key.text}: {text[:200]}") from error
+            if "out of resource" in text.lower():
+                return Measurement("infeasible", message=text[:300])
+            raise
+        return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
+
+
+class ReplayRunner:
+    """Answers from recorded measurements: ``{"device": {...}, "measurements": {key: {config: m}}}``."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{self.path}: not a readable recording ({error})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("measurements"), dict):
+            raise ValueError(f"{self.path}: measurements: missing (not a bole-tune recording?)")
+        self.device = data.get("device", {})
+        self.measurements = {}
+        for key, by_config in data["measurements"].items():
+            try:
+                self.measurements[key] = {c: Measurement.from_dict(m) for c, m in by_config.items()}
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{self.path}: measurements.{key}: {error}") from None
+        self.calls = 0
+        self.name = f"replay of {self.path.name}"
+
+    def fingerprint(self) -> Fingerprint:
+        d = self.device
+        return Fingerprint(slug=d.get("slug", "replay"), kind=d.get("kind", "gpu"), name=d.get("name", "replay"),
+                           facts=d.get("facts", {}), source=f"recorded in {self.path.name}")
+
+    def keys(self) -> list[str]:
+        return list(self.measurements)
+
+    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        self.calls += 1
+        recorded = self.measurements.get(key.text, {}).get(config_text(config))
+        if recorded is None:
+            return Measurement("infeasible", message="not in the recording")
+        return recorded
+
+
+class RecordingRunner:
+    """Wraps a runner and writes every measurement to ``path`` (atomically, after each one)."""
+
+    def __init__(self, inner, path):
+        self.inner, self.path = inner, Path(path)
+        self.name = f"{inner.name}, recording to {self.path.name}"
+        self.data = {"device": inner.fingerprint().as_dict(), "measurements": {}}
+        if self.path.exists():
+            existing = ReplayRunner(self.path)
+            self.data["measurements"] = {k: {c: m.as_dict() for c, m in v.items()}
+                                         for k, v in existing.measurements.items()}
+
+    def fingerprint(self) -> Fingerprint:
+        return self.inner.fingerprint()
+
+    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        m = self.inner.measure(key, config)
+        self.data["measurements"].setdefault(key.text, {})[config_text(config)] = m.as_dict()
+        write_text_atomic(self.path, json.dumps(self.data, indent=1) + "\n")
+        return m

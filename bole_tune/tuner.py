@@ -1,0 +1,192 @@
+"""Optuna search over tile configs, one study per shape bucket, stored in any Optuna storage.
+
+A study is named ``bole-tune:<gpu-slug>:<bucket key>`` and lives in the storage given (an SQLite
+file by default), so an interrupted run picks up where it stopped: finished trials are kept and
+only the missing ones run. Each study starts from the default config and from the best configs of
+neighbouring buckets already tuned (warm start), then lets TPE explore. A config the sampler
+proposes twice is answered from the first measurement (no device time). Pruned (does not fit),
+infeasible (does not compile or run) and wrong (fails the reference check) candidates are recorded
+with their reason as pruned trials, which the sampler ranks below every working config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+
+from bole_tune.config import KernelConfig, default_config
+from bole_tune.database import ShapeKey
+from bole_tune.runners import DeviceLost, Measurement, config_text
+from bole_tune.search_space import SearchSpace, feasible
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def default_storage() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "bole-tune" / "optuna-studies.sqlite3"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def open_storage(url: str | None):
+    """An Optuna storage for ``url`` (default: the user's SQLite file); a bad URL is a ValueError."""
+    url = url or default_storage()
+    if "://" not in url:
+        raise ValueError(f"--storage: {url!r} is not a storage URL (e.g. sqlite:///studies.db or "
+                         "postgresql://user@host/db)")
+    try:
+        return optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=90)
+    except Exception as error:  # unknown dialect, unreachable server, missing driver
+        raise ValueError(f"--storage: cannot open {url!r}: {str(error).splitlines()[0][:200]}") from None
+
+
+@dataclass
+class TuneResult:
+    key: ShapeKey
+    study_name: str
+    best: KernelConfig | None
+    best_measurement: Measurement | None
+    default: KernelConfig
+    default_measurement: Measurement | None
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best_measurement and self.default_measurement and self.default_measurement.status == "ok":
+            return self.default_measurement.p50_us / self.best_measurement.p50_us
+        return None
+
+
+def study_name(slug: str, key: ShapeKey) -> str:
+    return f"bole-tune:{slug}:{key.text}"
+
+
+def _params(config: KernelConfig) -> dict:
+    return {"b_k": config.b_k, "b_v": config.b_v, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _measurement_of(trial) -> Measurement | None:
+    data = trial.user_attrs.get("measurement")
+    return Measurement.from_dict(data) if data else None
+
+
+def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: int, slug: str,
+                warm_start=(), shared_memory_limit: int | None = None, sampler=None, on_trial=None) -> TuneResult:
+    """Run (or resume) the study of one bucket until it holds ``n_trials`` finished trials."""
+    name = study_name(slug, key)
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+                                sampler=sampler or optuna.samplers.TPESampler(seed=0, n_startup_trials=6,
+                                                                              multivariate=True))
+    optuna.storages.fail_stale_trials(study)
+    study.set_user_attr("key", key.as_dict())
+    default = default_config(key.dk, key.dv)
+    finished = [t for t in study.trials if t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL]
+    if not finished:
+        seeds = [default] + [c for c in warm_start if c != default]
+        for config in seeds:
+            if all(v in space_values for v, space_values in zip(_params(config).values(), _space_lists(space))):
+                study.enqueue_trial(_params(config), skip_if_exists=True)
+    measured = {config_text(KernelConfig(**t.params)): _measurement_of(t) for t in finished
+                if _measurement_of(t) is not None}
+
+    def objective(trial: optuna.Trial) -> float:
+        config = KernelConfig(
+            b_k=trial.suggest_categorical("b_k", list(space.b_k)),
+            b_v=trial.suggest_categorical("b_v", list(space.b_v)),
+            num_warps=trial.suggest_categorical("num_warps", list(space.num_warps)),
+            num_stages=trial.suggest_categorical("num_stages", list(space.num_stages)),
+        )
+        text = config_text(config)
+        if text in measured:
+            m = measured[text]
+            trial.set_user_attr("repeat_of_earlier_trial", True)
+        else:
+            ok, reason = feasible(config, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+            if not ok:
+                trial.set_user_attr("status", "pruned")
+                trial.set_user_attr("reason", reason)
+                raise optuna.TrialPruned(reason)
+            try:
+                m = runner.measure(key, config)
+            except DeviceLost as error:
+                # record the crash as this config's result (a resumed run never retries it), then stop
+                lost.append(error)
+                m = Measurement("infeasible", message=f"crashed the GPU context: {error}")
+                trial.study.stop()
+            measured[text] = m
+        trial.set_user_attr("measurement", m.as_dict())
+        trial.set_user_attr("status", m.status)
+        if on_trial:
+            on_trial(config, m)
+        if m.status != "ok":
+            trial.set_user_attr("reason", m.message)
+            raise optuna.TrialPruned(m.message)
+        return m.p50_us
+
+    lost: list = []
+    remaining = n_trials - len(finished)
+    if remaining > 0:
+        study.optimize(objective, n_trials=remaining, catch=())
+    if lost:
+        raise DeviceLost(f"{lost[0]} (recorded in study {name}; run the same command again to resume)")
+    return _result(study, key, name, default)
+
+
+def _space_lists(space: SearchSpace):
+    return (space.b_k, space.b_v, space.num_warps, space.num_stages)
+
+
+def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResult:
+    counts = {"total": 0, "measured": 0, "ok": 0, "wrong": 0, "infeasible": 0, "pruned": 0}
+    best, best_m, default_m = None, None, None
+    for t in study.trials:
+        if not t.state.is_finished():
+            continue
+        counts["total"] += 1
+        status = t.user_attrs.get("status", "failed")
+        m = _measurement_of(t)
+        if status == "pruned":
+            counts["pruned"] += 1
+            continue
+        if m is None:
+            continue
+        if not t.user_attrs.get("repeat_of_earlier_trial"):
+            counts["measured"] += 1
+            counts[m.status] = counts.get(m.status, 0) + 1
+        config = KernelConfig(**t.params)
+        if config == default:
+            default_m = m
+        if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
+            best, best_m = config, m
+    return TuneResult(key, name, best, best_m, default, default_m, counts)
+
+
+def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
+    """Best configs of already tuned buckets next to ``key`` (same heads, one bucket step away)."""
+    import math
+
+    found = []
+    for other_text, (other, config) in tuned.items():
+        if other.head_key != key.head_key or other == key:
+            continue
+        steps = abs(math.log2(other.tree_bucket / key.tree_bucket)) + abs(math.log2(other.batch_bucket / key.batch_bucket))
+        if steps <= 1:
+            found.append((steps, config))
+    return [c for _, c in sorted(found, key=lambda x: x[0])]
+
+
+def exhaustive_bucket(runner, key: ShapeKey, space: SearchSpace, shared_memory_limit=None,
+                      on_trial=None) -> dict[str, Measurement]:
+    """Measure every feasible config of the space on one bucket (the yardstick for the tuner)."""
+    results = {}
+    for config in space.configs():
+        ok, reason = feasible(config, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+        m = runner.measure(key, config) if ok else Measurement("infeasible", message=reason)
+        results[config_text(config)] = m
+        if on_trial:
+            on_trial(config, m)
+    return results

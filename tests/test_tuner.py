@@ -1,0 +1,131 @@
+"""The tuning loop on a CPU: Optuna over a runner that replays recorded measurements."""
+
+import json
+import math
+
+import optuna
+import pytest
+
+from bole_tune.config import KernelConfig
+from bole_tune.database import ShapeKey
+from bole_tune.runners import DeviceLost, Measurement, RecordingRunner, ReplayRunner, config_text
+from bole_tune.search_space import SearchSpace, feasible
+from bole_tune.tuner import exhaustive_bucket, tune_bucket
+
+KEY = ShapeKey(32, 16, 128, 128, "bf16", 64, 16)
+SPACE = SearchSpace.load()
+
+
+def synthetic_cost(c: KernelConfig) -> float:
+    """A smooth landscape with one best region (b_v 128, 8 warps, 2 stages), like the H200's."""
+    return (40 + 12 * abs(math.log2(c.b_v / 128)) + 6 * abs(math.log2(c.num_warps / 8))
+            + 4 * abs(c.num_stages - 2) + 3 * abs(math.log2(c.b_k / 64)))
+
+
+def write_recording(path, wrong=(), infeasible=()):
+    measurements = {}
+    for c in SPACE.configs():
+        text = config_text(c)
+        if text in wrong:
+            m = Measurement("wrong", rel_error=0.5, message="relative error 5e-1")
+        elif text in infeasible:
+            m = Measurement("infeasible", message="OutOfResources")
+        else:
+            t = synthetic_cost(c)
+            m = Measurement("ok", t - 0.5, t, t + 0.5, 1e-3, method="replay")
+        measurements.setdefault(KEY.text, {})[text] = m.as_dict()
+    path.write_text(json.dumps({"device": {"slug": "replay-gpu", "name": "Replay GPU"}, "measurements": measurements}))
+    return path
+
+
+def storage(tmp_path):
+    return optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'studies.sqlite3'}")
+
+
+def test_tuner_finds_the_best_region_with_few_trials(tmp_path):
+    runner = ReplayRunner(write_recording(tmp_path / "rec.json"))
+    best = min(synthetic_cost(c) for c in SPACE.configs())
+    n_trials = int(0.3 * len(SPACE.configs()))
+    result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), n_trials, "replay-gpu")
+    assert result.best_measurement.p50_us <= 1.03 * best, (result.best, result.best_measurement)
+    assert result.counts["measured"] <= n_trials
+    assert runner.calls == result.counts["measured"], "a config was measured twice"
+    assert result.default == KernelConfig(64, 32, 4, 2) and result.default_measurement.status == "ok"
+
+
+def test_wrong_and_infeasible_configs_are_never_chosen(tmp_path):
+    best = KernelConfig(64, 128, 8, 2)
+    runner = ReplayRunner(write_recording(tmp_path / "rec.json", wrong={config_text(best)},
+                                          infeasible={config_text(KernelConfig(32, 128, 8, 2))}))
+    result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 30, "replay-gpu",
+                         warm_start=[best, KernelConfig(32, 128, 8, 2)])
+    assert result.best not in (best, KernelConfig(32, 128, 8, 2))
+    assert result.counts["wrong"] == 1 and result.counts["infeasible"] == 1
+    trials = optuna.load_study(study_name=result.study_name, storage=storage(tmp_path)).trials
+    wrong = [t for t in trials if t.user_attrs.get("status") == "wrong"]
+    assert wrong and "relative error" in wrong[0].user_attrs["reason"]
+
+
+def test_interrupted_study_resumes_without_redoing_trials(tmp_path):
+    runner = ReplayRunner(write_recording(tmp_path / "rec.json"))
+    first = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 6, "replay-gpu")
+    calls = runner.calls
+    again = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 6, "replay-gpu")
+    assert runner.calls == calls and again.counts["total"] == first.counts["total"] == 6
+    more = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 14, "replay-gpu")
+    assert more.counts["total"] == 14 and runner.calls <= calls + 8
+
+
+def test_warm_start_is_tried_first(tmp_path):
+    runner = ReplayRunner(write_recording(tmp_path / "rec.json"))
+    seeds = [KernelConfig(64, 128, 8, 2)]
+    result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 2, "replay-gpu", warm_start=seeds)
+    assert result.best == seeds[0]
+
+
+class CrashingRunner:
+    name = "crashing"
+
+    def __init__(self, inner, crash: KernelConfig):
+        self.inner, self.crash = inner, crash
+
+    def fingerprint(self):
+        return self.inner.fingerprint()
+
+    def measure(self, key, config):
+        if config == self.crash:
+            raise DeviceLost("illegal memory access")
+        return self.inner.measure(key, config)
+
+
+def test_a_crashing_config_stops_the_run_and_is_not_retried(tmp_path):
+    replay = ReplayRunner(write_recording(tmp_path / "rec.json"))
+    crash = KernelConfig(32, 64, 4, 2)
+    with pytest.raises(DeviceLost, match="run the same command again"):
+        tune_bucket(CrashingRunner(replay, crash), KEY, SPACE, storage(tmp_path), 10, "replay-gpu",
+                    warm_start=[crash])
+    result = tune_bucket(CrashingRunner(replay, crash), KEY, SPACE, storage(tmp_path), 10, "replay-gpu")
+    assert result.counts["total"] == 10 and result.best != crash and result.counts["infeasible"] == 1
+
+
+def test_exhaustive_and_recording_round_trip(tmp_path):
+    source = ReplayRunner(write_recording(tmp_path / "rec.json"))
+    recorder = RecordingRunner(source, tmp_path / "copy.json")
+    found = exhaustive_bucket(recorder, KEY, SPACE)
+    assert len(found) == len(SPACE.configs())
+    copy = ReplayRunner(tmp_path / "copy.json")
+    assert copy.measurements[KEY.text] == source.measurements[KEY.text]
+
+
+def test_pruning_before_compile():
+    ok, reason = feasible(KernelConfig(64, 128, 8, 3), 128, 128, 64, "fp32", shared_memory_limit=100 * 1024)
+    assert not ok and "shared memory" in reason
+    ok, reason = feasible(KernelConfig(64, 32, 4, 2), 32, 32, 64, "bf16")
+    assert not ok and "divide" in reason
+
+
+def test_bad_recording_is_refused(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"measurements": {KEY.text: {"64/32/4/2": {"status": "fast"}}}}))
+    with pytest.raises(ValueError, match="status"):
+        ReplayRunner(path)
