@@ -48,6 +48,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--no-commit", action="store_true", help="skip tree_commit")
     p.add_argument("--repeats", type=int, default=50, help="timed graph replays per case")
     p.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    p.add_argument("--lookup", action="store_true", help="only time the runtime config lookup (cached path)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -59,6 +60,11 @@ def cmd_bench(args) -> int:
 
     has_gpu = torch.cuda.is_available()
     device = "cuda" if has_gpu else "cpu"
+    if args.lookup:
+        from bole_tune.lookup import lookup_cost_ns
+        cost = lookup_cost_ns(device)
+        console.print(f"tree_verify(config=None) lookup after the first call: {cost:.0f} ns per call on {device}")
+        return 0
     try:
         models = [resolve_model(m) for m in (args.model or ["qwen3.5-9b"])]
     except ProfileError as error:

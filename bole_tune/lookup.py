@@ -180,3 +180,22 @@ def _check_triton_version(decision: Decision) -> None:
     if made_with and made_with != triton.__version__:
         warnings.warn(f"bole-tune: {decision.source} was tuned with triton {made_with}, this is triton "
                       f"{triton.__version__}; its configs are used but may no longer be the fastest", stacklevel=5)
+
+
+def lookup_cost_ns(device=None, repeats: int = 200_000) -> float:
+    """Nanoseconds per `config_for` call once cached (the cost tree_verify(config=None) adds per call)."""
+    import time
+
+    from bole_tune.kernels.common import VerifyShape
+    from bole_tune.workloads import make_tree
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tree = make_tree([64] * 16, device=device)
+    shape = VerifyShape(tree.num_nodes, 16, 16, 16, 32, 128, 128, 128 ** -0.5)
+    config_for(shape, torch.bfloat16, tree, device)
+    start = time.perf_counter_ns()
+    for _ in range(repeats):
+        config_for(shape, torch.bfloat16, tree, device)
+    return (time.perf_counter_ns() - start) / repeats

@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs, in one call: install, GPU tests, benchmarks; a short table last.
+# Everything the GPU machine runs, in one call: install, GPU tests, tuning, profiling; tables last.
 # Usage (from the repository root, on the device machine): bash scripts/gpu_suite.sh [stage ...]
-# Stages: tests bench explore (default: tests bench). Results and logs go to $OUT (or ./out).
+# Results and logs go to $OUT (or ./out). Each stage has its own time limit so later ones still run.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 COLUMNS=150
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,temperature.gpu --format=csv | tee "$OUT/gpu.csv"
+LOG="$OUT/run.log"
 stages=${*:-tests bench}
 for stage in $stages; do
-  echo "=== $stage ($(date +%T))"
+  echo "=== $stage ($(date +%T))" | tee -a "$LOG"
   case $stage in
-    tests) python3 -m pytest tests -q -x -m "gpu or not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
-    bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
-    bench-heads) bole-tune bench --model qwen3.5-27b --model qwen3.5-122b-a10b --batch 1,4,16 --tree-size 64,128 \
-                   --no-commit --json "$OUT/bench-heads.json" 2>&1 | tee "$OUT/bench-heads.log" | tail -40 ;;
-    explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tee "$OUT/explore.log" | tail -50 ;;
+    sanitize)
+      timeout 40 python3 scripts/crash_case.py 128 16 8 1 4 128 2>&1 | tail -3 | tee -a "$LOG"
+      timeout 60 compute-sanitizer --tool memcheck --print-limit 3 python3 scripts/crash_case.py 128 16 8 1 1 128 2>&1 \
+        | grep -v "^=========     Host Frame" | head -40 | tee -a "$LOG" ;;
+    tests) timeout 100 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG" ;;
+    lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
+    exhaustive)
+      BOLE_TUNE_DB=/tmp/exhaustive-db timeout 150 bole-tune tune --exhaustive --model qwen3.5-9b --batch 16,1 \
+        --tree-size 64,16 --repeats 15 --record "$OUT/exhaustive-9b.json" 2>&1 | grep -v "━" | tail -8 | tee -a "$LOG" ;;
+    profile)
+      for attempt in 1 2; do  # a config that crashes the GPU context stops the run; the rerun resumes
+        BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --quick --repeats 20 --curve-batch 1,4,16 \
+          --curve-tree-size 16,32,64,128,256 --storage "sqlite:////tmp/studies.sqlite3" 2>&1 | grep -v "━" \
+          | tail -75 | tee -a "$LOG" && break
+      done ;;
+    bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
+    explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

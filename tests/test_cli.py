@@ -8,7 +8,10 @@ import sys
 import pytest
 
 from bole_tune import database
+from conftest import HAS_CUDA
 from test_tuner import KEY, write_recording
+
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="checks the CPU path; on a GPU this command runs the real GPU job")
 
 
 def run(*args, env=None, timeout=300):
@@ -39,6 +42,7 @@ def test_env_json_describes_this_machine():
     assert data["slug"] and data["kind"] in ("cpu", "gpu") and data["database"].endswith(f"{data['slug']}.yaml")
 
 
+@cpu_only
 def test_profile_on_the_cpu_writes_a_valid_database(tmp_path):
     result = run("profile", "--model", "qwen3.5-9b", "--db-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -100,6 +104,7 @@ def test_corrupt_database_is_reported_not_overwritten(tmp_path):
     assert path.read_text() == "schema_version: 1\nconfigs: [broken\n"
 
 
+@cpu_only
 def test_bench_on_the_cpu_says_what_it_measured():
     result = run("bench", "--repeats", "3")
     assert result.returncode == 0, result.stderr
