@@ -10,13 +10,14 @@ value-tiled solve share registers; nothing T x T touches device memory). One pro
    interval contains it);
 3. rows of earlier blocks contribute ``-G_ij U_j`` to the right-hand side and ``C_ij U_j`` to the
    output, reading back the ``U_j`` this program already stored;
-4. the block's own unit-triangular system ``(I + G_bb) U_b = R_b``: for a block whose forest is at
-   most ``DOUBLING_MAX_DEPTH`` deep (the depth-<=8 trees of drafters) by the seed's finite
-   polynomial evaluated with squarings, ``(I + X)(I + X^2)(I + X^4)(I + X^8)`` with ``X = -G``
-   (4 dependent products instead of 8 Neumann steps); a deeper block (a long chain) by as many
-   substitution sweeps ``U <- R - G U`` as it is deep. After sweep m every row of depth < m is
-   exact: forward substitution done level by level, with no powers of G whose entries grow like
-   binomial coefficients, so deep chains stay as accurate as shallow trees.
+4. the block's own unit-triangular system ``(I + G_bb) U_b = R_b`` is solved by as many substitution
+   sweeps ``U <- R - G U`` as the block's forest is deep (8 for the depth-<=8 trees of drafters, 63
+   for a 64-row stretch of a chain). After sweep m every row of depth < m is exact: this is forward
+   substitution done level by level, with no powers of G whose entries grow like binomial
+   coefficients, so deep chains and strongly correlated keys stay as accurate as shallow trees.
+   (The seed's squaring form of the same polynomial was tried on the H200 on 2026-11-29: Triton
+   3.6 failed to compile it for 2-warp and 16/32-row configs, and with tf32 products it lost the
+   1e-2 bound on nearly equal keys; see BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ import triton.language as tl
 from bole_tune.config import KernelConfig, node_block
 from bole_tune.tree import TreeBatch
 from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
-
-
-# Blocks at most this deep use the squaring form; the entries of X^m it forms are sums of at most
-# C(7, 3) = 35 path products there, so tf32 rounding stays far inside the 1e-2 bf16 bound.
-DOUBLING_MAX_DEPTH = 8
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -53,7 +49,6 @@ def tree_verify_fwd_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    DOUBLING_MAX_DEPTH: tl.constexpr,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -167,18 +162,8 @@ def tree_verify_fwd_kernel(
         b_c_ii = r_q[:, None] * decay_ii * r_k[None, :] * b_qk
         block_depth = tl.load(block_depth_ptr + i_r * max_blocks + i_b)
         b_u = b_r
-        if block_depth <= DOUBLING_MAX_DEPTH:
-            # (I + G)^-1 = (I + X)(I + X^2)(I + X^4)... with X = -G: ceil(log2(depth + 1)) steps
-            b_x = -b_g_ii
-            steps = (block_depth >= 1).to(tl.int32) + (block_depth >= 2).to(tl.int32) \
-                + (block_depth >= 4).to(tl.int32) + (block_depth >= 8).to(tl.int32)
-            for step in range(0, steps):
-                b_u = tl.dot(b_x, b_u, b_u, input_precision=DOT_PRECISION)
-                if step + 1 < steps:
-                    b_x = tl.dot(b_x, b_x, input_precision=DOT_PRECISION)
-        else:
-            for _ in range(0, block_depth):
-                b_u = b_r - tl.dot(b_g_ii, b_u, input_precision=DOT_PRECISION)
+        for _ in range(0, block_depth):
+            b_u = b_r - tl.dot(b_g_ii, b_u, input_precision=DOT_PRECISION)
         b_o = tl.dot(b_c_ii, b_u, b_o, input_precision=DOT_PRECISION)
 
         tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
@@ -238,7 +223,6 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         state.stride(0), state.stride(1), state.stride(2),
         D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
         USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
-        DOUBLING_MAX_DEPTH=DOUBLING_MAX_DEPTH,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return res

@@ -22,16 +22,16 @@ for stage in $stages; do
       timeout 60 compute-sanitizer --tool memcheck --print-limit 3 python3 scripts/crash_case.py 128 16 8 1 1 128 2>&1 \
         | grep -v "^=========     Host Frame" | head -40 | tee -a "$LOG" ;;
     tests) timeout 100 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG" ;;
+    gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth" \
+        2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
     exhaustive)
-      BOLE_TUNE_DB=/tmp/exhaustive-db timeout 150 bole-tune tune --exhaustive --model qwen3.5-9b --batch 16,1 \
+      BOLE_TUNE_DB=/tmp/exhaustive-db timeout 185 bole-tune tune --exhaustive --model qwen3.5-9b --batch 16,1 \
         --tree-size 64,16 --repeats 15 --record "$OUT/exhaustive-9b.json" 2>&1 | grep -v "━" | tail -8 | tee -a "$LOG" ;;
     profile)
-      for attempt in 1 2; do  # a config that crashes the GPU context stops the run; the rerun resumes
-        BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --quick --repeats 20 --curve-batch 1,4,16 \
-          --curve-tree-size 16,32,64,128,256 --storage "sqlite:////tmp/studies.sqlite3" 2>&1 | grep -v "━" \
-          | tail -75 | tee -a "$LOG" && break
-      done ;;
+      BOLE_TUNE_DB="$OUT" timeout 300 bole-tune profile --quick --repeats 20 --curve-batch 1,4,16 \
+        --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" \
+        | tail -75 | tee -a "$LOG" ;;
     bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
