@@ -176,7 +176,7 @@ def _add_tuning_args(p, curves: bool) -> None:
     p.add_argument("--quick", action="store_true", help="small grid (batch 1,4,16; tree 16,64,128) and 16 trials")
     p.add_argument("--batch", type=_positive_ints, help="batch sizes to tune" + (" and measure" if curves else ""))
     p.add_argument("--tree-size", type=_positive_ints, help="tree sizes (nodes per request)")
-    p.add_argument("--trials", type=int, help="Optuna trials per bucket (default 24, 16 with --quick)")
+    p.add_argument("--trials", type=int, help="Optuna trials per bucket (default 32, 16 with --quick)")
     p.add_argument("--storage", help="Optuna storage URL (default: an SQLite file in ~/.cache/bole-tune); "
                                      "an interrupted run resumes from it")
     p.add_argument("--repeats", type=int, default=30, help="timed CUDA-graph replays per measurement")
@@ -225,7 +225,7 @@ def _plan(args, curves: bool):
         raise UsageError(str(error)) from None
     batches = tuple(args.batch or (QUICK_BATCHES if args.quick else FULL_BATCHES))
     sizes = tuple(args.tree_size or (QUICK_TREE_SIZES if args.quick else FULL_TREE_SIZES))
-    trials = args.trials or (16 if args.quick else 24)
+    trials = args.trials or (16 if args.quick else 32)
     if trials < 1:
         raise UsageError("--trials: must be at least 1")
     if args.repeats < 3:

@@ -41,7 +41,7 @@ class ProfilePlan:
     tune_tree_sizes: tuple = FULL_TREE_SIZES
     curve_batches: tuple = FULL_BATCHES
     curve_tree_sizes: tuple = FULL_TREE_SIZES
-    n_trials: int = 24
+    n_trials: int = 32
     repeats: int = 30
     curves: bool = True
     serial: bool = True

@@ -12,6 +12,7 @@ with their reason as pruned trials, which the sampler ranks below every working 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,7 +82,9 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=sampler or optuna.samplers.TPESampler(seed=0, n_startup_trials=6,
                                                                               multivariate=True))
-    optuna.storages.fail_stale_trials(study)
+    with warnings.catch_warnings():  # experimental in optuna, stable in use since v2.9
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     study.set_user_attr("key", key.as_dict())
     default = default_config(key.dk, key.dv)
     finished = [t for t in study.trials if t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL]
