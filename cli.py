@@ -579,6 +579,196 @@ def cmd_lookup(args) -> int:
     return 0
 
 
+def _add_step(sub) -> None:
+    p = sub.add_parser("step", help="measure the whole verification step of each model (needs a GPU)",
+                       description="Time one GDN layer (with tree_verify, and with serial_verify), one attention "
+                                   "layer (tree mask over a KV context) and the LM head at the model's real shapes "
+                                   "with random weights, as CUDA graphs, for each batch and tree size; the step is "
+                                   "their sum over the model's layers. Writes step curves to the database.")
+    p.add_argument("--model", action="append", help="model profile, repeatable (default: all four)")
+    p.add_argument("--batch", type=_positive_ints, default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--tree-size", type=_positive_ints, default=[1, 4, 8, 16, 32, 64, 128],
+                   help="verified tokens per request (1 = no speculation)")
+    p.add_argument("--context", type=int, default=4096, help="KV context length of the attention layers")
+    p.add_argument("--no-serial", action="store_true", help="skip the serial_verify variant")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--replace-corrupt", action="store_true")
+    _add_common_db(p)
+    p.set_defaults(func=cmd_step)
+
+
+ALL_MODELS = ["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b", "qwen3-next-80b-a3b"]
+
+
+def _models(names):
+    from bole_tune.profiles import ProfileError, resolve_model
+    try:
+        return [resolve_model(m) for m in names]
+    except ProfileError as error:
+        raise UsageError(str(error)) from None
+
+
+def cmd_step(args) -> int:
+    import torch
+
+    from bole_tune import database
+    from bole_tune.fingerprint import fingerprint
+    from bole_tune.profiler import provenance
+    from bole_tune.step_latency import METHOD, measure_step_curve
+
+    models = _models(args.model or ALL_MODELS)
+    if args.context < 1:
+        raise UsageError("--context: must be positive")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fp = fingerprint(device)
+    if device == "cpu":
+        console.print("[yellow]No CUDA GPU: timing the layers on the CPU with the wall clock; these numbers say "
+                      "nothing about a GPU's step.[/]")
+    db_path = _db_path(args, fp.slug)
+    _prepare_database(db_path, args.replace_corrupt)
+    table = Table(title=f"verification step on {fp.name}, us (p50)")
+    for column in ("model", "B", "T", "tokens", "GDN layer", "GDN serial", "attention", "LM head", "step",
+                   "step serial"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    with _progress() as bar:
+        task = bar.add_task("step latency", total=len(models) * len(args.batch) * len(args.tree_size))
+        for model in models:
+            def progress(m, b, t, point):
+                bar.update(task, advance=1, description=f"{m.name} B={b} T={t}")
+                d = point.as_dict()
+                table.add_row(m.name, str(b), str(t), str(point.tokens), f"{d['gdn_us']:.0f}",
+                              f"{d.get('gdn_serial_us', 0):.0f}" if "gdn_serial_us" in d else "-",
+                              f"{d['attention_us']:.0f}", f"{d['lm_head_us']:.0f}", f"{d['step_us']:.0f}",
+                              f"{d.get('step_serial_us', 0):.0f}" if "step_serial_us" in d else "-")
+            points = measure_step_curve(model, args.batch, args.tree_size, args.context, device, args.repeats,
+                                        serial=not args.no_serial, progress=progress)
+            entry = {"model": model.name, "dtype": "bf16", "context": args.context,
+                     "layers": {"gdn": model.num_gdn_layers, "attention": model.num_attention_layers},
+                     "measured_by": "layer groups, summed", "points": [p.as_dict() for p in points],
+                     "provenance": provenance(fp, METHOD)}
+            database.update(db_path, device=fp.as_dict(), step_curves={f"{model.name}/bf16": entry})
+    console.print(table)
+    console.print(f"step curves written: {db_path}")
+    return 0
+
+
+def _add_budget(sub) -> None:
+    p = sub.add_parser("budget", help="choose the tree-token budget per batch size; export engine settings",
+                       description="From the measured step curves and an acceptance model, choose per batch size "
+                                   "the tree (tokens, nodes per request, depth, width) that maximises expected "
+                                   "tokens per second; write it to the database and export SGLang/vLLM settings.")
+    p.add_argument("--model", action="append", help="model profile, repeatable (default: every model with a step curve)")
+    p.add_argument("--acceptance", default="qwen3-next-mtp-gsm8k", help="acceptance model name or YAML file")
+    p.add_argument("--gpu", help="GPU slug (default: this machine's)")
+    p.add_argument("--export", type=Path, help="folder for engine settings files (sglang-*.json, vllm-*.json)")
+    _add_common_db(p)
+    p.set_defaults(func=cmd_budget)
+
+
+def cmd_budget(args) -> int:
+    from bole_tune import database
+    from bole_tune.acceptance import load_acceptance
+    from bole_tune.budget import StepCurve, budget_name, build_budgets, engine_settings
+    from bole_tune.fingerprint import fingerprint
+    from bole_tune.profiles import ProfileError
+
+    try:
+        acceptance = load_acceptance(args.acceptance)
+    except ProfileError as error:
+        raise UsageError(str(error)) from None
+    slug = args.gpu or fingerprint().slug
+    db_path = _resolve_db_file(argparse.Namespace(file=None, gpu=slug, db_dir=args.db_dir))
+    try:
+        data = database.load(db_path)
+    except database.DatabaseError as error:
+        raise UsageError(str(error)) from None
+    curves = data.get("step_curves", {})
+    names = [m.name for m in _models(args.model)] if args.model else [c["model"] for c in curves.values()]
+    table = Table(title=f"tree-token budgets on {slug} (acceptance model {acceptance.name})")
+    for column in ("model", "B", "tokens", "nodes/req", "shape", "depth", "width", "E[MAT]", "tokens/s",
+                   "vs no spec", "vs fixed"):
+        table.add_column(column, justify="left" if column in ("model", "shape") else "right")
+    budgets = {}
+    for name in names:
+        curve = curves.get(f"{name}/bf16")
+        if curve is None:
+            raise UsageError(f"no step curve for {name} in {db_path} (run bole-tune step --model ... first)")
+        entry = build_budgets(acceptance, StepCurve(curve["points"]))
+        entry["step_curve"] = f"{name}/bf16"
+        entry["provenance"] = {"date": database.now(), "step_curve_date": curve["provenance"].get("date", ""),
+                               "acceptance_source": acceptance.source, "method": "best-first trees and chains; "
+                               "tokens/s = B * E[accepted + 1] / (step + draft)"}
+        budgets[budget_name(name)] = entry
+        for batch, b in entry["batches"].items():
+            table.add_row(name, str(batch), str(b["tokens"]), str(b["nodes_per_request"]), b["shape"], str(b["depth"]),
+                          str(b["width"]), f"{b['expected_mean_accepted']:.2f}", f"{b['tokens_per_second']:.0f}",
+                          f"{b['speedup_vs_no_speculation']:.2f}x", f"{b['speedup_vs_fixed_budget']:.2f}x")
+        if args.export:
+            from bole_tune.atomic import write_text_atomic
+            settings = engine_settings(entry)
+            stem = name.lower()
+            write_text_atomic(args.export / f"sglang-{stem}.json", json.dumps(settings["sglang"], indent=1) + "\n")
+            write_text_atomic(args.export / f"vllm-{stem}.json", json.dumps(settings["vllm"], indent=1) + "\n")
+    try:
+        database.update(db_path, budgets=budgets)
+    except database.DatabaseError as error:
+        raise UsageError(str(error)) from None
+    console.print(table)
+    console.print(f"budgets written: {db_path}" + (f"; engine settings in {args.export}" if args.export else ""))
+    return 0
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit an acceptance model to a JSONL log of real rounds",
+                       description="Fit per-depth acceptance and rank shares from a log (one JSON object per request "
+                                   "and round: parents, ranks, accepted; see bole_tune.acceptance).")
+    p.add_argument("log", type=Path)
+    p.add_argument("--name", help="name of the fitted model (default: the log's file name)")
+    p.add_argument("--out", type=Path, help="write the model as YAML here (default: print it)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from bole_tune.acceptance import calibrate, save_acceptance
+    from bole_tune.profiles import ProfileError
+
+    try:
+        model, stats = calibrate(args.log, args.name)
+    except (ValueError, ProfileError) as error:
+        raise UsageError(str(error)) from None
+    console.print(f"fitted on {stats['rounds']} rounds: depth acceptance "
+                  f"{', '.join(f'{a:.3f}' for a in model.depth_acceptance)}; rank shares "
+                  f"{', '.join(f'{s:.3f}' for s in model.rank_share)}")
+    if args.out:
+        save_acceptance(model, args.out, f"fitted by bole-tune calibrate from {args.log} ({stats['rounds']} rounds)")
+        console.print(f"written: {args.out}")
+    return 0
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="plots (PNG and SVG) of step latency, budgets and tree vs serial verification")
+    p.add_argument("--gpu", help="GPU slug (default: this machine's)")
+    p.add_argument("--out", type=Path, default=Path("bole-tune-report"), help="output folder")
+    _add_common_db(p)
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from bole_tune import database
+    from bole_tune.report import write_report
+
+    path = _resolve_db_file(argparse.Namespace(file=None, gpu=args.gpu, db_dir=args.db_dir))
+    try:
+        files = write_report(database.load(path), args.out)
+    except database.DatabaseError as error:
+        raise UsageError(str(error)) from None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    for f in files:
+        console.print(f"written: {f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bole-tune",
@@ -592,6 +782,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup(sub)
     _add_env(sub)
     _add_bench(sub)
+    _add_step(sub)
+    _add_budget(sub)
+    _add_calibrate(sub)
+    _add_report(sub)
     return parser
 
 

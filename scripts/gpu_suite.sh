@@ -32,6 +32,9 @@ for stage in $stages; do
       BOLE_TUNE_DB="$OUT" timeout 300 bole-tune profile --quick --repeats 20 --curve-batch 1,4,16 \
         --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" \
         | tail -75 | tee -a "$LOG" ;;
+    step)
+      cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
+      BOLE_TUNE_DB="$OUT" timeout 480 bole-tune step --repeats 10 2>&1 | grep -v "━" | tail -180 | tee -a "$LOG" ;;
     bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -1,0 +1,206 @@
+"""Latency of a whole verification step of the target model, measured on the GPU by layer groups.
+
+One GDN layer, one full-attention layer (each with its FFN, dense or mixture of experts) and the LM
+head are built at the model's real shapes with random bf16 weights and timed, each as one CUDA
+graph, for N verified tokens at batch B (every request a tree of N / B nodes):
+
+- GDN layer: input projections (q, k, v, z and the b, a gates), SiLU, tree_verify with the tuned config
+  (or serial_verify, to show what it costs), gated RMS norm, output projection, FFN;
+- attention layer: q (with its output gate), k, v projections, attention of each request's nodes over a
+  KV context of ``context`` tokens plus the tree's ancestors (tree mask), output projection, FFN;
+- MoE FFN: router, then the experts N tokens with top-k routing touch (expected count under uniform
+  routing) as one batched product over exactly those experts' weights, plus the shared expert;
+- LM head over the N tokens.
+
+The step is ``gdn_layers * gdn + attention_layers * attention + lm_head``: the model is never held
+whole, so every model fits one GPU; the database records this method.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bole_tune.profiles import ModelProfile
+from bole_tune.timing import time_launches
+from bole_tune.workloads import make_inputs, make_tree
+
+METHOD = ("one GDN layer, one attention layer (each with its FFN) and the LM head, each a CUDA graph timed "
+          "with events (median of replays); step = gdn_layers x GDN + attention_layers x attention + LM head")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    batch: int
+    tree_size: int  # nodes per request (1 = no speculation)
+    gdn_us: float
+    gdn_serial_us: float | None
+    attention_us: float
+    lm_head_us: float
+    step_us: float
+    step_serial_us: float | None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.tree_size
+
+    def as_dict(self) -> dict:
+        d = {"batch": self.batch, "tree_size": self.tree_size, "tokens": self.tokens,
+             "gdn_us": round(self.gdn_us, 2), "attention_us": round(self.attention_us, 2),
+             "lm_head_us": round(self.lm_head_us, 2), "step_us": round(self.step_us, 2)}
+        if self.gdn_serial_us is not None:
+            d["gdn_serial_us"] = round(self.gdn_serial_us, 2)
+            d["step_serial_us"] = round(self.step_serial_us, 2)
+        return d
+
+
+def experts_touched(tokens: int, num_experts: int, top_k: int) -> int:
+    """Expected distinct experts ``tokens`` tokens reach with top-k routing spread uniformly."""
+    return max(top_k, min(num_experts, round(num_experts * (1 - (1 - top_k / num_experts) ** tokens))))
+
+
+class _Weights:
+    """Random bf16 weights of one GDN layer, one attention layer, their FFNs and the LM head."""
+
+    def __init__(self, model: ModelProfile, device, dtype=torch.bfloat16):
+        g = torch.Generator(device=device).manual_seed(0)
+        h = model.hidden_size
+
+        def w(rows, cols):
+            return torch.randn(rows, cols, generator=g, device=device, dtype=dtype) * (rows ** -0.5)
+
+        hk, hv, dk, dv, _ = model.gdn_heads
+        a = model.attention
+        self.gdn_in = w(h, 2 * hk * dk + 2 * hv * dv)
+        self.gdn_gates = w(h, 2 * hv)
+        self.gdn_out = w(hv * dv, h)
+        self.attn_q = w(h, 2 * a.num_heads * a.head_dim)  # query and its output gate
+        self.attn_kv = w(h, 2 * a.num_kv_heads * a.head_dim)
+        self.attn_out = w(a.num_heads * a.head_dim, h)
+        f = model.ffn
+        if f.kind == "dense":
+            self.ffn_up = w(h, 2 * f.intermediate_size)
+            self.ffn_down = w(f.intermediate_size, h)
+        else:
+            self.router = w(h, f.num_experts)
+            self.experts_up = torch.randn(f.num_experts, h, 2 * f.expert_intermediate_size, generator=g,
+                                          device=device, dtype=dtype) * h ** -0.5
+            self.experts_down = torch.randn(f.num_experts, f.expert_intermediate_size, h, generator=g,
+                                            device=device, dtype=dtype) * f.expert_intermediate_size ** -0.5
+            self.shared_up = w(h, 2 * f.shared_intermediate_size)
+            self.shared_down = w(f.shared_intermediate_size, h)
+        self.lm_head = w(h, model.vocab_size)
+
+
+def _rms(x):
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+def _ffn(x, model: ModelProfile, wt: _Weights):
+    f = model.ffn
+    if f.kind == "dense":
+        gate, up = (x @ wt.ffn_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ wt.ffn_down
+    tokens = x.shape[0]
+    x @ wt.router  # routing scores (their top-k is data dependent; its cost is the product)
+    touched = experts_touched(tokens, f.num_experts, f.top_k)
+    per_expert = math.ceil(tokens * f.top_k / touched)
+    routed = x[torch.arange(touched * per_expert, device=x.device) % tokens].view(touched, per_expert, -1)
+    gate, up = torch.bmm(routed, wt.experts_up[:touched]).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, wt.experts_down[:touched])
+    out = y.view(-1, x.shape[1])[:tokens]
+    shared_gate, shared_up = (x @ wt.shared_up).chunk(2, dim=-1)
+    return out + (F.silu(shared_gate) * shared_up) @ wt.shared_down
+
+
+class StepModel:
+    """The layer groups of one model at one (batch, tree size), ready to be captured and timed."""
+
+    def __init__(self, model: ModelProfile, batch: int, tree_size: int, weights: _Weights, context: int, device,
+                 max_depth: int = 8):
+        self.model, self.wt, self.device = model, weights, torch.device(device)
+        hk, hv, dk, dv, _ = model.gdn_heads
+        self.shape = (hk, hv, dk, dv)
+        self.tree = make_tree([tree_size] * batch, max_depth=max_depth, seed=1, device=device)
+        n = self.tree.num_nodes
+        g = torch.Generator(device=device).manual_seed(2)
+        self.x = torch.randn(n, model.hidden_size, generator=g, device=device, dtype=torch.bfloat16)
+        self.state = make_inputs(self.tree, hk, hv, dk, dv, torch.bfloat16, device, num_slots=batch).state
+        self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        a = model.attention
+        self.k_cache = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=g, device=device,
+                                   dtype=torch.bfloat16)
+        self.v_cache = torch.randn_like(self.k_cache)
+        self.mask = self._attention_mask(batch, tree_size, context)
+
+    def _attention_mask(self, batch, size, context):
+        from bole_tune.kernels.reference import ancestor_mask
+
+        masks = [ancestor_mask(self.tree, r, self.device) for r in range(batch)]
+        tree_part = torch.stack(masks)  # [B, T, T]
+        full = torch.ones(batch, size, context + size, dtype=torch.bool, device=self.device)
+        full[:, :, context:] = tree_part
+        return full[:, None]  # [B, 1, T, context + T]
+
+    def gdn_layer(self, verify) -> torch.Tensor:
+        hk, hv, dk, dv = self.shape
+        n = self.x.shape[0]
+        x = _rms(self.x)
+        proj = F.silu(x @ self.wt.gdn_in)
+        q, k, v, z = torch.split(proj, [hk * dk, hk * dk, hv * dv, hv * dv], dim=-1)
+        b, a = (x @ self.wt.gdn_gates).chunk(2, dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -F.softplus(a.float())
+        res = verify(q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv), g, beta, self.state, self.slots,
+                     self.tree, validate=False)
+        o = _rms(res.o.reshape(n, hv * dv)) * F.silu(z)
+        y = self.x + o @ self.wt.gdn_out
+        return y + _ffn(_rms(y), self.model, self.wt)
+
+    def attention_layer(self) -> torch.Tensor:
+        a = self.model.attention
+        batch, size = self.mask.shape[0], self.mask.shape[2]
+        x = _rms(self.x)
+        q, gate = (x @ self.wt.attn_q).chunk(2, dim=-1)
+        k, v = (x @ self.wt.attn_kv).chunk(2, dim=-1)
+        q = q.view(batch, size, a.num_heads, a.head_dim).transpose(1, 2)
+        k = k.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = v.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        keys = torch.cat([self.k_cache, k], dim=2)
+        values = torch.cat([self.v_cache, v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(batch * size, -1) * torch.sigmoid(gate)
+        y = self.x + out @ self.wt.attn_out
+        return y + _ffn(_rms(y), self.model, self.wt)
+
+    def lm_head(self) -> torch.Tensor:
+        return _rms(self.x) @ self.wt.lm_head
+
+
+def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 4096, device="cuda",
+                       repeats: int = 20, serial: bool = True, progress=None) -> list[StepPoint]:
+    """Step latency at every (batch, tree size); tree size 1 is plain decoding."""
+    from bole_tune.kernels import serial_verify, tree_verify
+
+    weights = _Weights(model, device)
+    points = []
+    for batch in batches:
+        for size in tree_sizes:
+            m = StepModel(model, batch, size, weights, context, device)
+            gdn = time_launches(lambda _: m.gdn_layer(tree_verify), 1, device, repeats=repeats).p50_us
+            gdn_serial = None
+            if serial and size > 1:
+                gdn_serial = time_launches(lambda _: m.gdn_layer(serial_verify), 1, device, repeats=repeats).p50_us
+            attention = time_launches(lambda _: m.attention_layer(), 1, device, repeats=repeats).p50_us
+            lm = time_launches(lambda _: m.lm_head(), 1, device, repeats=repeats).p50_us
+            others = model.num_attention_layers * attention + lm
+            step = model.num_gdn_layers * gdn + others
+            step_serial = model.num_gdn_layers * gdn_serial + others if gdn_serial is not None else None
+            points.append(StepPoint(batch, size, gdn, gdn_serial, attention, lm, step, step_serial))
+            if progress:
+                progress(model, batch, size, points[-1])
+            del m
+    return points
