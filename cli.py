@@ -685,9 +685,9 @@ def cmd_budget(args) -> int:
     curves = data.get("step_curves", {})
     names = [m.name for m in _models(args.model)] if args.model else [c["model"] for c in curves.values()]
     table = Table(title=f"tree-token budgets on {slug} (acceptance model {acceptance.name})")
-    for column in ("model", "B", "tokens", "nodes/req", "shape", "depth", "width", "E[MAT]", "tokens/s",
-                   "vs no spec", "vs fixed"):
-        table.add_column(column, justify="left" if column in ("model", "shape") else "right")
+    for column in ("model", "B", "N", "per req", "shape", "depth", "width", "MAT", "tok/s", "x plain", "x fixed"):
+        table.add_column(column, justify="left" if column in ("model", "shape") else "right",
+                         no_wrap=column == "model")
     budgets = {}
     for name in names:
         curve = curves.get(f"{name}/bf16")

@@ -44,7 +44,7 @@ class AcceptanceModel:
             raise ProfileError(f"{where}: rank_share[0]: must be 1.0 (shares are relative to the top rank)")
         total = sum(self.rank_share)
         for d, a in enumerate(self.depth_acceptance):
-            if a * total > 1.0 + 1e-9:
+            if a * total > 1.0 + 1e-6:
                 raise ProfileError(f"{where}: depth_acceptance[{d}] * sum(rank_share) = {a * total:.3f} > 1 "
                                    "(the ranks of one parent exclude each other)")
 
@@ -161,7 +161,7 @@ def calibrate(path, name: str | None = None, max_depth: int = 8, max_rank: int =
     depth_count = max(observed_depths) + 1
     a = [min(1.0, x) for x in a[:depth_count]]
     total = sum(s)
-    a = [min(x, 1.0 / total) for x in a]
+    a = [min(x, 0.999 / total) for x in a]  # keep the ranks of one parent exclusive, after rounding too
     model = AcceptanceModel(name or path.stem, tuple(a), tuple(min(1.0, x) for x in s), source=str(path))
     stats = {"rounds": rounds, "trials": trials, "successes": successes}
     return model, stats

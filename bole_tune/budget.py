@@ -190,7 +190,7 @@ def budget_entry(choice: Choice, info: dict) -> dict:
     t = choice.tree
     return {
         "tokens": choice.tokens, "nodes_per_request": choice.nodes_per_request,
-        "draft_nodes_per_request": len(t.parents), "shape": "chain" if choice.chain else "tree",
+        "draft_nodes_per_request": len(t.parents), "shape": "chain" if t.width <= 1 else "tree",
         "depth": t.depth, "width": t.width, "expected_mean_accepted": round(t.expected_accepted, 4),
         "expected_tokens_per_round": round(choice.expected_tokens, 4),
         "step_us": round(choice.step_us, 2), "draft_us": round(choice.draft_us, 2),
@@ -272,9 +272,10 @@ def _lookup_budget(batch_size, model, device, dtype, tp) -> dict:
     profile = resolve_model(model)
     slug = fingerprint(device).slug
     budgets = _budgets_for(slug, budget_name(profile.name, dtype, tp))
-    batches = sorted(int(b) for b in budgets["batches"])
+    by_batch = {int(b): entry for b, entry in budgets["batches"].items()}  # JSON round trips make keys strings
+    batches = sorted(by_batch)
     chosen = next((b for b in batches if batch_size <= b), batches[-1])
-    return budgets["batches"][chosen] | {"batch_bucket": chosen}
+    return by_batch[chosen] | {"batch_bucket": chosen}
 
 
 def budget_name(model_name: str, dtype: str = "bf16", tp: int = 1) -> str:

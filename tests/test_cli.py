@@ -109,3 +109,57 @@ def test_bench_on_the_cpu_says_what_it_measured():
     result = run("bench", "--repeats", "3")
     assert result.returncode == 0, result.stderr
     assert "No CUDA GPU" in result.stdout and "fallback" in result.stdout
+
+
+TINY_MODEL = """name: Tiny-MoE
+hidden_size: 128
+num_layers: 8
+layers_per_attention: 4
+vocab_size: 1000
+attention: {num_heads: 4, num_kv_heads: 2, head_dim: 32}
+gdn: {num_key_heads: 2, num_value_heads: 4, key_head_dim: 32, value_head_dim: 32, conv_width: 4}
+ffn: {kind: moe, num_experts: 16, top_k: 2, expert_intermediate_size: 64, shared_intermediate_size: 64}
+"""
+
+
+@cpu_only
+def test_step_budget_report_and_calibrate(tmp_path):
+    model = tmp_path / "tiny-moe.yaml"
+    model.write_text(TINY_MODEL)
+    db = tmp_path / "db"
+    step = run("step", "--model", str(model), "--batch", "1,4", "--tree-size", "1,4,8", "--repeats", "3",
+               "--context", "64", "--db-dir", str(db))
+    assert step.returncode == 0, step.stderr
+    (path,) = db.glob("*.yaml")
+    data = database.load(path)
+    points = data["step_curves"]["Tiny-MoE/bf16"]["points"]
+    assert len(points) == 6 and all(p["step_us"] > 0 for p in points)
+    assert all(p["step_us"] == pytest.approx(6 * p["gdn_us"] + 2 * p["attention_us"] + p["lm_head_us"], rel=1e-3)
+               for p in points)
+    slug = path.stem
+    out = tmp_path / "engines"
+    result = run("budget", "--gpu", slug, "--db-dir", str(db), "--export", str(out))
+    assert result.returncode == 0, result.stderr
+    budgets = database.load(path)["budgets"]["Tiny-MoE/bf16"]
+    sglang = json.loads((out / "sglang-tiny-moe.json").read_text())["per_batch_size"]
+    assert {int(b) for b in sglang} == {1, 4}
+    assert sglang["4"]["speculative_num_draft_tokens"] == budgets["batches"][4]["nodes_per_request"]
+    report = run("report", "--gpu", slug, "--db-dir", str(db), "--out", str(tmp_path / "plots"))
+    assert report.returncode == 0, report.stderr
+    for stem in ("step_latency", "budget", "tree_vs_serial"):
+        for suffix in ("png", "svg"):
+            assert (tmp_path / "plots" / f"{stem}.{suffix}").stat().st_size > 1000
+    log = tmp_path / "rounds.jsonl"
+    log.write_text("\n".join(json.dumps({"parents": [-1, 0, 0], "ranks": [1, 1, 2], "accepted": a})
+                             for a in ([0, 1], [0], [], [0, 1], [0, 1])) + "\n")
+    fitted = run("calibrate", str(log), "--out", str(tmp_path / "fitted.yaml"))
+    assert fitted.returncode == 0, fitted.stderr
+    from bole_tune.acceptance import load_acceptance
+    model_fit = load_acceptance(str(tmp_path / "fitted.yaml"))
+    assert model_fit.depth_acceptance[0] == pytest.approx(0.8)
+
+
+def test_budget_and_calibrate_usage_errors(tmp_path):
+    assert_usage_error(run("calibrate", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+    assert_usage_error(run("budget", "--gpu", "no-such-gpu", "--db-dir", str(tmp_path)), "no tuning database")
+    assert_usage_error(run("budget", "--acceptance", "nope"), "acceptance model 'nope'")
