@@ -769,6 +769,63 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _add_validate(sub) -> None:
+    p = sub.add_parser("validate", help="prove the tree step exact against transformers' Qwen3.5 and lossless end to end",
+                       description="Build transformers' own Qwen3.5 text model (random weights) and check (1) every "
+                                   "tree node's GDN-layer output and the committed states against transformers running "
+                                   "each root-to-node path token by token, and (2) that speculative decoding with our "
+                                   "tree steps generates exactly transformers' greedy tokens. Needs transformers "
+                                   "(pip install -e '.[validate]').")
+    p.add_argument("--production", action="store_true",
+                   help="Qwen3.5-9B GDN head sizes (Hk 16, Hv 32, dk = dv = 128); best on a GPU")
+    p.add_argument("--trees", type=int, default=3, help="random trees in the layer check")
+    p.add_argument("--prompts", type=int, default=3, help="prompts in the generation check")
+    p.add_argument("--tokens", type=int, default=200, help="tokens generated per prompt")
+    p.add_argument("--skip-generation", action="store_true", help="only the layer check")
+    p.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(args) -> int:
+    import torch
+
+    from bole_tune import validate
+
+    if min(args.trees, args.prompts, args.tokens) < 1:
+        raise UsageError("--trees, --prompts and --tokens must be positive")
+    from bole_tune.kernels.common import use_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = validate.PRODUCTION if args.production else validate.ModelSize()
+    path = "the Triton kernels" if use_triton(torch.device(device)) else "the PyTorch fallback (no GPU, no TRITON_INTERPRET=1)"
+    try:
+        console.print(f"[bold]bole-tune validate[/] on {device}, running {path}: transformers' Qwen3.5 with GDN heads "
+                      f"Hk {size.hk}, Hv {size.hv}, dk {size.dk}, dv {size.dv}")
+        layers = validate.validate_layers(size, device, trees=args.trees)
+    except RuntimeError as error:
+        if "transformers" in str(error):
+            raise UsageError(str(error)) from None
+        raise
+    verdict = "[green]PASS[/]" if layers.passed else "[red]FAIL[/]"
+    console.print(f"{verdict} layer step vs transformers token by token: {layers.trees} trees, {layers.nodes} nodes; "
+                  f"worst relative error: outputs {layers.worst_output_error:.1e}, recurrent state "
+                  f"{layers.worst_state_error:.1e}, conv state {layers.worst_conv_error:.1e} "
+                  f"(bound {validate.TOLERANCE:.0e})")
+    for failure in layers.failures:
+        console.print(f"  {failure}")
+    passed = layers.passed
+    if not args.skip_generation:
+        gen = validate.validate_generation(size, device, prompts=args.prompts, new_tokens=args.tokens)
+        verdict = "[green]PASS[/]" if gen.passed else "[red]FAIL[/]"
+        console.print(f"{verdict} speculative decoding vs transformers' greedy generate: {gen.prompts} prompts x "
+                      f"{args.tokens} tokens, identical: {not gen.mismatches}; {gen.rounds} rounds, mean accepted "
+                      f"draft tokens per round {gen.mean_accepted:.2f}")
+        for mismatch in gen.mismatches:
+            console.print(f"  {mismatch}")
+        passed = passed and gen.passed
+    console.print("[bold green]verdict: exact[/]" if passed else "[bold red]verdict: NOT exact[/]")
+    return 0 if passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bole-tune",
@@ -786,6 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget(sub)
     _add_calibrate(sub)
     _add_report(sub)
+    _add_validate(sub)
     return parser
 
 

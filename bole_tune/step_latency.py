@@ -135,6 +135,10 @@ class StepModel:
                                    dtype=torch.bfloat16)
         self.v_cache = torch.randn_like(self.k_cache)
         self.mask = self._attention_mask(batch, tree_size, context)
+        group = a.num_heads // a.num_kv_heads
+        # additive mask, rows repeated for the grouped query heads: [B, 1, group * T, context + T]
+        self.grouped_mask = torch.zeros(self.mask.shape, dtype=torch.bfloat16, device=device).masked_fill(
+            ~self.mask, float("-inf")).repeat(1, 1, group, 1)
 
     def _attention_mask(self, batch, size, context):
         from bole_tune.kernels.reference import ancestor_mask
@@ -163,16 +167,21 @@ class StepModel:
     def attention_layer(self) -> torch.Tensor:
         a = self.model.attention
         batch, size = self.mask.shape[0], self.mask.shape[2]
+        group = a.num_heads // a.num_kv_heads
         x = _rms(self.x)
         q, gate = (x @ self.wt.attn_q).chunk(2, dim=-1)
         k, v = (x @ self.wt.attn_kv).chunk(2, dim=-1)
-        q = q.view(batch, size, a.num_heads, a.head_dim).transpose(1, 2)
+        # grouped heads as extra query rows of their key head: [B, kv, group * T, hd], so the masked
+        # attention runs on the memory-efficient kernel instead of materialising scores per head
+        q = q.view(batch, size, a.num_kv_heads, group, a.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(batch, a.num_kv_heads, group * size, a.head_dim)
         k = k.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = v.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
         keys = torch.cat([self.k_cache, k], dim=2)
         values = torch.cat([self.v_cache, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(batch * size, -1) * torch.sigmoid(gate)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.grouped_mask)
+        out = out.view(batch, a.num_kv_heads, group, size, a.head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(batch * size, -1) * torch.sigmoid(gate)
         y = self.x + out @ self.wt.attn_out
         return y + _ffn(_rms(y), self.model, self.wt)
 

@@ -39,7 +39,7 @@ class TreeBatch:
     depth: int
     _host_parents: tuple[tuple[int, ...], ...] = field(repr=False)
     _host_depths: tuple[tuple[int, ...], ...] = field(repr=False)
-    _block_depth_cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -128,6 +128,39 @@ class TreeBatch:
             node = parents[node]
         return path[::-1]
 
+    def ancestor_table(self, width: int) -> torch.Tensor:
+        """``[N, width]`` int32: for each node, its ancestor at distance 1..width.
+
+        An ancestor inside the tree is its packed row (>= 0). Past a root the window continues into
+        the request's committed inputs: ``-m`` is the m-th most recent committed input (-1 the last).
+        This is what the tree-parallel causal convolution reads (width = conv width - 1). Cached.
+        """
+        key = ("ancestors", width)
+        if key not in self._cache:
+            rows = []
+            for r, parents in enumerate(self._host_parents):
+                base = sum(self.sizes[:r])
+                depths = self._host_depths[r]
+                for n in range(len(parents)):
+                    row, node = [], n
+                    for m in range(1, width + 1):
+                        if m <= depths[n]:
+                            node = parents[node]
+                            row.append(base + node)
+                        else:
+                            row.append(-(m - depths[n]))
+                    rows.append(row)
+            self._cache[key] = torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(-1, width)
+        return self._cache[key]
+
+    def request_of_node(self) -> torch.Tensor:
+        """``[N]`` int32: the request each packed node belongs to. Cached."""
+        key = "request_of_node"
+        if key not in self._cache:
+            ids = [r for r, size in enumerate(self.sizes) for _ in range(size)]
+            self._cache[key] = torch.tensor(ids, dtype=torch.int32, device=self.device)
+        return self._cache[key]
+
     def block_depths(self, block: int) -> tuple[torch.Tensor, int]:
         """Per request and node block of ``block`` rows, the depth of the forest the block induces.
 
@@ -136,7 +169,7 @@ class TreeBatch:
         64-node tree of depth 8 costs 8 sweeps, not 63. Returns ``([B, max_blocks] int32,
         max_blocks)``, cached per block size.
         """
-        if block not in self._block_depth_cache:
+        if block not in self._cache:
             max_blocks = -(-self.max_tree_size // block)
             table = []
             for parents in self._host_parents:
@@ -148,8 +181,8 @@ class TreeBatch:
                     row[n // block] = max(row[n // block], local[n])
                 table.append(row)
             tensor = torch.tensor(table, dtype=torch.int32, device=self.device)
-            self._block_depth_cache[block] = (tensor, max_blocks)
-        return self._block_depth_cache[block]
+            self._cache[block] = (tensor, max_blocks)
+        return self._cache[block]
 
 
 def _as_int_list(request, r: int) -> list[int]:

@@ -156,3 +156,39 @@ def commit_closed_form(state, state_indices, res: TreeVerifyResult, accepted, va
         weight = torch.exp(res.log_decay[a][None, :] - res.log_decay[rows])  # [L, Hv]
         update = torch.einsum("lh,lhv,lhk->hvk", weight, res.u[rows], keys[rows])
         state[slot] = torch.exp(res.log_decay[a])[:, None, None] * state[slot] + update
+
+
+def _window(x, conv_state, slot: int, path_rows: list[int], width: int) -> torch.Tensor:
+    """The last ``width`` inputs ending at the end of ``path_rows`` (oldest first), float64, [C, width]."""
+    columns = [x[row].double() for row in path_rows[-width:]]
+    missing = width - len(columns)
+    if missing > 0:
+        committed = conv_state[slot].double()  # [C, width - 1], oldest first
+        columns = [committed[:, committed.shape[1] - missing + j] for j in range(missing)] + columns
+    return torch.stack(columns, dim=1)
+
+
+def tree_conv_reference(x, conv_state, weight, state_indices, tree: TreeBatch, activation="silu") -> torch.Tensor:
+    """The causal depthwise convolution run node by node along each node's root path (float64 inside)."""
+    width = weight.shape[1]
+    out = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    offsets = tree.offsets.tolist()
+    for r, slot in enumerate(_ints(state_indices)):
+        for n in range(tree.sizes[r]):
+            rows = [offsets[r] + j for j in tree.path_to(r, n)]
+            window = _window(x, conv_state, slot, rows, width)
+            out[offsets[r] + n] = (window * weight.double()).sum(dim=1)
+    if activation == "silu":
+        out = out * torch.sigmoid(out)
+    return out.to(x.dtype)
+
+
+def tree_conv_commit_reference(conv_state, state_indices, x, tree: TreeBatch, accepted) -> None:
+    """The conv state after the accepted path: its last width - 1 inputs, into the slot in place."""
+    width = conv_state.shape[2] + 1
+    offsets = tree.offsets.tolist()
+    for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
+        if node < 0:
+            continue
+        rows = [offsets[r] + j for j in tree.path_to(r, node)]
+        conv_state[slot] = _window(x, conv_state, slot, rows, width - 1).to(conv_state.dtype)

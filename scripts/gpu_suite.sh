@@ -22,6 +22,10 @@ for stage in $stages; do
       timeout 60 compute-sanitizer --tool memcheck --print-limit 3 python3 scripts/crash_case.py 128 16 8 1 1 128 2>&1 \
         | grep -v "^=========     Host Frame" | head -40 | tee -a "$LOG" ;;
     tests) timeout 100 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG" ;;
+    layertests) timeout 150 python3 -m pytest tests/test_gdn_layer.py tests/test_validate.py tests/test_robustness.py \
+        -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
+    validate) timeout 200 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
+        | tail -12 | tee -a "$LOG" ;;
     gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;

@@ -1,0 +1,79 @@
+"""Gate preparation from raw projections in one launch: ``g = -exp(A_log) * softplus(a + dt_bias)``,
+``beta = sigmoid(b)`` (transformers' Qwen3.5 GatedDeltaNet), both written as float32.
+
+Six separate PyTorch element-wise kernels become one read of a and b and one write of g and beta.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INPUT_DTYPES, use_triton, validation_enabled
+
+
+@triton.jit
+def gdn_gates_kernel(
+    # pointers
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
+    # sizes and strides
+    num_rows, heads, stride_a_n, stride_b_n,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_h = tl.arange(0, BLOCK_H)
+    m = (o_n < num_rows)[:, None] & (o_h < heads)[None, :]
+    b_a = tl.load(a_ptr + o_n[:, None] * stride_a_n + o_h[None, :], mask=m, other=0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_n[:, None] * stride_b_n + o_h[None, :], mask=m, other=0).to(tl.float32)
+    a_log = tl.load(a_log_ptr + o_h, mask=o_h < heads, other=0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + o_h, mask=o_h < heads, other=0).to(tl.float32)
+    z = b_a + dt_bias[None, :]
+    # softplus with PyTorch's threshold: linear above 20, where log(1 + e^z) equals z in float32
+    softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    tl.store(g_ptr + o_n[:, None] * heads + o_h[None, :], -tl.exp(a_log)[None, :] * softplus, mask=m)
+    tl.store(beta_ptr + o_n[:, None] * heads + o_h[None, :], tl.sigmoid(b_b), mask=m)
+
+
+def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` and ``beta`` ``[N, Hv]`` float32 from the raw projections ``a``, ``b`` ``[N, Hv]`` and the
+    per-head ``A_log``, ``dt_bias`` ``[Hv]``."""
+    for name, x in (("a", a), ("b", b), ("a_log", a_log), ("dt_bias", dt_bias)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name}: dtype {x.dtype}; expected bfloat16, float16 or float32")
+        if x.device != a.device:
+            raise ValueError(f"{name}: on device {x.device} but a is on {a.device}")
+    if a.dim() != 2:
+        raise ValueError(f"a: expected shape [N, Hv], got {tuple(a.shape)}")
+    if tuple(b.shape) != tuple(a.shape):
+        raise ValueError(f"b: expected shape {tuple(a.shape)} like a, got {tuple(b.shape)}")
+    heads = a.shape[1]
+    for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
+        if tuple(x.shape) != (heads,):
+            raise ValueError(f"{name}: expected shape [Hv={heads}], got {tuple(x.shape)}")
+    if validation_enabled(validate):
+        flags = torch.stack([~torch.isfinite(t).all() for t in (a, b, a_log, dt_bias)]).tolist()
+        for flag, name in zip(flags, ("a", "b", "a_log", "dt_bias")):
+            if flag:
+                raise ValueError(f"{name}: contains NaN or inf (the gates would be NaN)")
+    if not use_triton(a.device):
+        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+        return g, torch.sigmoid(b.float())
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if b.stride(-1) != 1:
+        b = b.contiguous()
+    n = a.shape[0]
+    g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    block_h = triton.next_power_of_2(heads)
+    block_n = max(1, min(64, 4096 // block_h))
+    gdn_gates_kernel[(triton.cdiv(n, block_n),)](
+        a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, n, heads, a.stride(0), b.stride(0),
+        BLOCK_N=block_n, BLOCK_H=block_h,
+    )
+    return g, beta
