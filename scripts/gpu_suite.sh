@@ -22,9 +22,9 @@ for stage in $stages; do
       timeout 60 compute-sanitizer --tool memcheck --print-limit 3 python3 scripts/crash_case.py 128 16 8 1 1 128 2>&1 \
         | grep -v "^=========     Host Frame" | head -40 | tee -a "$LOG" ;;
     tests) timeout 100 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG" ;;
-    layertests) timeout 150 python3 -m pytest tests/test_gdn_layer.py tests/test_validate.py tests/test_robustness.py \
+    layertests) timeout 100 python3 -m pytest tests/test_gdn_layer.py tests/test_validate.py tests/test_robustness.py \
         -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
-    validate) timeout 200 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
+    validate) timeout 110 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
         | tail -12 | tee -a "$LOG" ;;
     gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
@@ -38,7 +38,7 @@ for stage in $stages; do
         | tail -75 | tee -a "$LOG" ;;
     step)
       cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
-      BOLE_TUNE_DB="$OUT" timeout 480 bole-tune step --repeats 10 2>&1 | grep -v "━" | tail -180 | tee -a "$LOG" ;;
+      BOLE_TUNE_DB="$OUT" timeout 125 bole-tune step --repeats 10 2>&1 | grep -v "━" | tail -180 | tee -a "$LOG" ;;
     bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
