@@ -7,7 +7,9 @@ graph, for N verified tokens at batch B (every request a tree of N / B nodes):
 - GDN layer: input projections (q, k, v, z and the b, a gates), SiLU, tree_verify with the tuned config
   (or serial_verify, to show what it costs), gated RMS norm, output projection, FFN;
 - attention layer: q (with its output gate), k, v projections, attention of each request's nodes over a
-  KV context of ``context`` tokens plus the tree's ancestors (tree mask), output projection, FFN;
+  KV context of ``context`` tokens plus the tree's ancestors (tree mask), output projection, FFN; the
+  masked attention is timed through two PyTorch formulations and the faster counts (see
+  `StepModel.attention_layer`), since PyTorch has no tree-attention kernel of its own;
 - MoE FFN: router, then the experts N tokens with top-k routing touch (expected count under uniform
   routing) as one batched product over exactly those experts' weights, plus the shared expert;
 - LM head over the N tokens.
@@ -28,8 +30,10 @@ from bole_tune.profiles import ModelProfile
 from bole_tune.timing import time_launches
 from bole_tune.workloads import make_inputs, make_tree
 
-METHOD = ("one GDN layer, one attention layer (each with its FFN) and the LM head, each a CUDA graph timed "
-          "with events (median of replays); step = gdn_layers x GDN + attention_layers x attention + LM head")
+METHOD = ("one GDN layer, one attention layer (each with its FFN; the faster of two masked-attention calls) and "
+          "the LM head, each a CUDA graph timed with events (median of replays); "
+          "step = gdn_layers x GDN + attention_layers x attention + LM head")
+ATTENTION_VARIANTS = ("gqa", "grouped")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class StepPoint:
     lm_head_us: float
     step_us: float
     step_serial_us: float | None
+    attention_variants_us: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -54,6 +59,8 @@ class StepPoint:
         if self.gdn_serial_us is not None:
             d["gdn_serial_us"] = round(self.gdn_serial_us, 2)
             d["step_serial_us"] = round(self.step_serial_us, 2)
+        if self.attention_variants_us:
+            d["attention_variants_us"] = {k: round(v, 2) for k, v in self.attention_variants_us.items()}
         return d
 
 
@@ -164,23 +171,35 @@ class StepModel:
         y = self.x + o @ self.wt.gdn_out
         return y + _ffn(_rms(y), self.model, self.wt)
 
-    def attention_layer(self) -> torch.Tensor:
+    def attention_layer(self, variant: str = "grouped") -> torch.Tensor:
+        """One attention layer and its FFN. ``variant``: how the masked attention is called.
+
+        "grouped": the query heads of a key head become extra query rows ``[B, kv, group * T, hd]`` with
+        an additive mask (PyTorch's memory-efficient kernel, flat in T); "gqa": one call with
+        ``enable_gqa`` and a boolean mask (PyTorch's math kernel, fastest for T = 1). The step takes
+        the faster: an engine runs its best attention kernel for each shape.
+        """
         a = self.model.attention
         batch, size = self.mask.shape[0], self.mask.shape[2]
         group = a.num_heads // a.num_kv_heads
         x = _rms(self.x)
         q, gate = (x @ self.wt.attn_q).chunk(2, dim=-1)
         k, v = (x @ self.wt.attn_kv).chunk(2, dim=-1)
-        # grouped heads as extra query rows of their key head: [B, kv, group * T, hd], so the masked
-        # attention runs on the memory-efficient kernel instead of materialising scores per head
-        q = q.view(batch, size, a.num_kv_heads, group, a.head_dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(batch, a.num_kv_heads, group * size, a.head_dim)
         k = k.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = v.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
         keys = torch.cat([self.k_cache, k], dim=2)
         values = torch.cat([self.v_cache, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.grouped_mask)
-        out = out.view(batch, a.num_kv_heads, group, size, a.head_dim).permute(0, 3, 1, 2, 4)
+        if variant == "grouped":
+            q = q.view(batch, size, a.num_kv_heads, group, a.head_dim).permute(0, 2, 3, 1, 4)
+            q = q.reshape(batch, a.num_kv_heads, group * size, a.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.grouped_mask)
+            out = out.view(batch, a.num_kv_heads, group, size, a.head_dim).permute(0, 3, 1, 2, 4)
+        elif variant == "gqa":
+            q = q.view(batch, size, a.num_heads, a.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+            out = out.transpose(1, 2)
+        else:
+            raise ValueError(f"variant: expected 'grouped' or 'gqa', got {variant!r}")
         out = out.reshape(batch * size, -1) * torch.sigmoid(gate)
         y = self.x + out @ self.wt.attn_out
         return y + _ffn(_rms(y), self.model, self.wt)
@@ -203,12 +222,14 @@ def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 
             gdn_serial = None
             if serial and size > 1:
                 gdn_serial = time_launches(lambda _: m.gdn_layer(serial_verify), 1, device, repeats=repeats).p50_us
-            attention = time_launches(lambda _: m.attention_layer(), 1, device, repeats=repeats).p50_us
+            variants = {name: time_launches(lambda _: m.attention_layer(name), 1, device, repeats=repeats).p50_us
+                        for name in ATTENTION_VARIANTS}
+            attention = min(variants.values())
             lm = time_launches(lambda _: m.lm_head(), 1, device, repeats=repeats).p50_us
             others = model.num_attention_layers * attention + lm
             step = model.num_gdn_layers * gdn + others
             step_serial = model.num_gdn_layers * gdn_serial + others if gdn_serial is not None else None
-            points.append(StepPoint(batch, size, gdn, gdn_serial, attention, lm, step, step_serial))
+            points.append(StepPoint(batch, size, gdn, gdn_serial, attention, lm, step, step_serial, variants))
             if progress:
                 progress(model, batch, size, points[-1])
             del m
