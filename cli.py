@@ -180,6 +180,10 @@ def _add_tuning_args(p, curves: bool) -> None:
     p.add_argument("--storage", help="Optuna storage URL (default: an SQLite file in ~/.cache/bole-tune); "
                                      "an interrupted run resumes from it")
     p.add_argument("--repeats", type=int, default=30, help="timed CUDA-graph replays per measurement")
+    p.add_argument("--workers", type=int, help="worker processes on this host (default: one per visible GPU); "
+                                               "more hosts join with the same command and --storage")
+    p.add_argument("--sampler", choices=["tpe", "grid", "random"], default="tpe",
+                   help="Optuna sampler (grid: every config, split among the workers)")
     p.add_argument("--replace-corrupt", action="store_true",
                    help="if the database file is corrupt, keep a backup of it and start a new one")
     _add_common_db(p)
@@ -209,6 +213,8 @@ def _add_tune(sub) -> None:
     p.add_argument("--exhaustive", action="store_true", help="measure every config of the search space")
     p.add_argument("--record", type=Path, help="write every measurement to this JSON file")
     p.add_argument("--replay", type=Path, help="answer from a recording instead of the GPU")
+    p.add_argument("--replay-delay", type=float, default=0.0,
+                   help="seconds each replayed measurement takes (to watch or test the workers)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -225,7 +231,7 @@ def _plan(args, curves: bool):
         raise UsageError(str(error)) from None
     batches = tuple(args.batch or (QUICK_BATCHES if args.quick else FULL_BATCHES))
     sizes = tuple(args.tree_size or (QUICK_TREE_SIZES if args.quick else FULL_TREE_SIZES))
-    trials = args.trials or (16 if args.quick else 32)
+    trials = args.trials if args.trials is not None else (16 if args.quick else 32)
     if trials < 1:
         raise UsageError("--trials: must be at least 1")
     if args.repeats < 3:
@@ -277,26 +283,37 @@ def _precompile(runner, keys, space) -> None:
     console.print(f"compiled {count} kernel variants ahead of the search")
 
 
-def _run_tuning(args, plan, runner, storage, db_path, space) -> list:
-    from bole_tune.profiler import tune_model
+def _run_tuning(args, plan, runner, db_path, space) -> list:
+    from bole_tune.profiler import tune_all
+    from bole_tune.runners import ReplayRunner
+    from bole_tune.workers import visible_devices
 
-    _precompile(runner, _all_keys(plan), space)
-    results = []
-    total = len(plan.models) * len(plan.tune_batches) * len(plan.tune_tree_sizes) * plan.n_trials
+    storage_url = _storage_url(args)
+    if isinstance(runner, ReplayRunner):
+        spec = {"kind": "replay", "path": str(Path(runner.path).resolve()), "delay": runner.delay}
+        workers = args.workers or 1
+    else:
+        _precompile(runner, _all_keys(plan), space)
+        spec = {"kind": "gpu", "repeats": plan.repeats}
+        workers = args.workers or max(1, len(visible_devices()))
+    console.print(f"tuning with {workers} worker process{'es' if workers > 1 else ''} on {storage_url}")
     with _progress() as bar:
-        task = bar.add_task("tuning", total=total)
-
-        def on_trial(config, m):
-            bar.advance(task)
-
-        def on_bucket(result):
-            done = (len(results) + 1) * plan.n_trials
-            bar.update(task, completed=done, description=f"tuning {result.key.text}")
-            results.append(result)
-
-        for model in plan.models:
-            tune_model(runner, model, plan, storage, db_path, space, progress=on_bucket, on_trial=on_trial)
+        task = bar.add_task("tuning", total=None)
+        results = tune_all(plan, spec, runner.fingerprint(), storage_url, db_path, space, workers=workers,
+                           sampler=args.sampler,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
     return results
+
+
+def _storage_url(args) -> str:
+    from bole_tune.tuner import default_storage, open_storage
+
+    url = args.storage or default_storage()
+    try:
+        open_storage(url)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return url
 
 
 def _tuning_table(results) -> Table:
@@ -319,14 +336,6 @@ def _tuning_table(results) -> Table:
     if speedups:
         table.caption = f"geometric-mean speedup over the default config: {geometric_mean(speedups):.2f}x"
     return table
-
-
-def _open_storage(args):
-    from bole_tune.tuner import open_storage
-    try:
-        return open_storage(args.storage)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
 
 
 def _search_space():
@@ -355,8 +364,7 @@ def cmd_profile(args) -> int:
     results = []
     try:
         if fp.kind == "gpu":
-            storage = _open_storage(args)
-            results = _run_tuning(args, plan, runner, storage, db_path, space)
+            results = _run_tuning(args, plan, runner, db_path, space)
             console.print(_tuning_table(results))
         else:
             console.print("[yellow]No CUDA GPU: tile configs exist only for the Triton kernels on a GPU, so nothing "
@@ -420,9 +428,13 @@ def cmd_tune(args) -> int:
 
     plan = _plan(args, curves=False)
     space = _search_space()
+    if args.record and not args.exhaustive:
+        raise UsageError("--record: only with --exhaustive (tuning workers record into the Optuna storage)")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError("--workers: must be at least 1")
     if args.replay:
         try:
-            runner = ReplayRunner(args.replay)
+            runner = ReplayRunner(args.replay, delay=args.replay_delay)
         except ValueError as error:
             raise UsageError(str(error)) from None
     else:
@@ -454,7 +466,7 @@ def cmd_tune(args) -> int:
                             console.print(f"  {key.text}: best {best} {ok[best].p50_us:.1f} us of {len(ok)} working")
         return 0
     try:
-        results = _run_tuning(args, plan, runner, _open_storage(args), db_path, space)
+        results = _run_tuning(args, plan, runner, db_path, space)
     except DatabaseError as error:
         raise UsageError(str(error)) from None
     console.print(_tuning_table(results))

@@ -74,15 +74,18 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, entries: dict | No
         where = ", ".join(sources) or f"no {slug}.yaml in {', '.join(map(str, search_directories()))}"
     else:
         where = "given entries"
-    exact = entries.get(key.text)
-    if exact is not None:
+    # heads per rank fix the kernel's shape: an entry tuned under any tensor-parallel degree serves it,
+    # one tuned under the same degree first
+    same = [e for e in entries.values() if _bucket_of(e) == _bucket_of({"key": key.as_dict()})]
+    if same:
+        exact = next((e for e in same if e["key"].get("tp", 1) == key.tp), same[0])
         return _from_entry(exact, key, "exact", f"tuned for this bucket ({where})")
     if mode == "strict":
         raise LookupError(f"BOLE_TUNE_LOOKUP=strict: no tuned config for {key.text} on {slug} ({where})")
     candidates = []
     for entry in entries.values():
         other = ShapeKey.from_dict(entry["key"])
-        if other.head_key != key.head_key:
+        if other.head_key[:5] != key.head_key[:5]:  # same heads, head sizes and dtype; any tp
             continue
         config = KernelConfig(**entry["config"])
         if not config.fits(key.dk, key.dv):
@@ -97,6 +100,11 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, entries: dict | No
         return _from_entry(entry, key, "nearest", f"nearest tuned bucket {entry['key']['tree_bucket']} nodes, "
                                                   f"batch {entry['key']['batch_bucket']} ({where})")
     return Decision(fallback, "default", f"nothing tuned for this head shape on {slug} ({where})", key)
+
+
+def _bucket_of(entry: dict) -> tuple:
+    k = entry["key"]
+    return (k["hv"], k["hk"], k["dk"], k["dv"], k["dtype"], k["tree_bucket"], k["batch_bucket"])
 
 
 def _from_entry(entry: dict, key: ShapeKey, how: str, reason: str) -> Decision:

@@ -13,7 +13,10 @@ the PyTorch fallback's curves instead, says so, and still writes a valid databas
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from bole_tune import database
@@ -24,7 +27,7 @@ from bole_tune.lookup import decide
 from bole_tune.profiles import ModelProfile
 from bole_tune.runners import Measurement
 from bole_tune.search_space import SearchSpace
-from bole_tune.tuner import TuneResult, neighbours, tune_bucket
+from bole_tune.tuner import TuneResult, neighbours
 
 FULL_BATCHES = (1, 2, 4, 8, 16, 32)
 FULL_TREE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -45,6 +48,7 @@ class ProfilePlan:
     repeats: int = 30
     curves: bool = True
     serial: bool = True
+    seed: int = 0
 
 
 @dataclass
@@ -80,31 +84,49 @@ def config_entry(result: TuneResult, fp) -> dict:
         entry["default_config"] = result.default.as_dict()
         entry["default_latency_us"] = _latency(result.default_measurement)
         entry["speedup_vs_default"] = round(result.speedup, 3)
-    entry["provenance"] = provenance(fp, m.method)
+    entry["provenance"] = provenance(fp, m.method, {"workers": result.workers} if result.workers else None)
     return entry
 
 
-def tune_model(runner, model: ModelProfile, plan: ProfilePlan, storage, db_path, space: SearchSpace,
-               progress: Callable | None = None, on_trial: Callable | None = None) -> list[TuneResult]:
-    """Tune every bucket of ``plan`` for one model; each winner is written to the database at once."""
-    fp = runner.fingerprint()
-    shape = model.gdn(plan.tp)
-    limit = fp.facts.get("max_shared_memory_per_block_bytes")
-    tuned, results = {}, []
+class WorkerFailure(RuntimeError):
+    """A tuning worker failed for a reason other than a crashing candidate."""
+
+
+def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path, space: SearchSpace,
+             workers: int = 1, sampler: str = "tpe", progress: Callable | None = None,
+             job_dir: Path | None = None) -> list[TuneResult]:
+    """Tune every bucket of the plan with ``workers`` worker processes; write the database once."""
+    from bole_tune.tuner import load_result, open_storage
+    from bole_tune.workers import Job, run_workers
+
+    keys = plan_keys(plan)
     existing = _existing_configs(db_path)
-    for size in plan.tune_tree_sizes:
-        for batch in plan.tune_batches:
-            key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size), batch_bucket(batch),
-                           plan.tp)
-            warm = neighbours(key, {**existing, **tuned})
-            result = tune_bucket(runner, key, space, storage, plan.n_trials, fp.slug, warm_start=warm,
-                                 shared_memory_limit=limit, on_trial=on_trial)
-            results.append(result)
-            if result.best is not None:
-                tuned[key.text] = (key, result.best)
-                database.update(db_path, device=fp.as_dict(), configs={key.text: config_entry(result, fp)})
-            if progress:
-                progress(result)
+    warm = {key.text: [c.as_dict() for c in neighbours(key, existing)] for key in keys}
+    job = Job(keys=[k.as_dict() for k in keys], storage=storage_url, slug=fp.slug, n_trials=plan.n_trials,
+              runner=runner_spec, space=space.source, sampler=sampler, seed=plan.seed,
+              shared_memory_limit=fp.facts.get("max_shared_memory_per_block_bytes"), warm_start=warm)
+    own_dir = job_dir is None
+    job_dir = Path(job_dir or tempfile.mkdtemp(prefix="bole-tune-job-"))
+    storage = open_storage(storage_url)
+
+    def report_progress():
+        if progress:
+            progress(sum(_finished(storage, fp.slug, key) for key in keys), len(keys) * plan.n_trials)
+
+    reports = run_workers(job, workers, job_dir / "job.json", progress=report_progress)
+    failed = [r for r in reports if r.exit_code != 0]
+    if failed:
+        tails = "; ".join(f"worker {r.index} (exit {r.exit_code}, log {r.log}): "
+                          f"{Path(r.log).read_text().strip().splitlines()[-1:] if Path(r.log).exists() else ''}"
+                          for r in failed)
+        raise WorkerFailure(f"{len(failed)} of {len(reports)} tuning workers failed: {tails}. Finished trials are "
+                            "kept in the storage; run the same command again to resume.")
+    if own_dir:  # worker logs are kept only when something failed
+        shutil.rmtree(job_dir, ignore_errors=True)
+    results = [load_result(storage, fp.slug, key) for key in keys]
+    entries = {r.key.text: config_entry(r, fp) for r in results if r.best is not None}
+    if entries:
+        database.update(db_path, device=fp.as_dict(), configs=entries)
     return results
 
 
@@ -114,6 +136,30 @@ def _existing_configs(db_path) -> dict:
     except database.DatabaseError:
         return {}
     return {name: (ShapeKey.from_dict(e["key"]), KernelConfig(**e["config"])) for name, e in data["configs"].items()}
+
+
+def plan_keys(plan: ProfilePlan) -> list[ShapeKey]:
+    keys = []
+    for model in plan.models:
+        shape = model.gdn(plan.tp)
+        for size in plan.tune_tree_sizes:
+            for batch in plan.tune_batches:
+                key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
+                               batch_bucket(batch), plan.tp)
+                if key not in keys:
+                    keys.append(key)
+    return keys
+
+
+def _finished(storage, slug: str, key: ShapeKey) -> int:
+    import optuna
+
+    from bole_tune.tuner import FINISHED, study_name
+    try:
+        study = optuna.load_study(study_name=study_name(slug, key), storage=storage)
+    except KeyError:
+        return 0
+    return len(study.get_trials(deepcopy=False, states=FINISHED))
 
 
 def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,

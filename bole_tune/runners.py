@@ -102,10 +102,16 @@ class GPURunner:
 
 
 class ReplayRunner:
-    """Answers from recorded measurements: ``{"device": {...}, "measurements": {key: {config: m}}}``."""
+    """Answers from recorded measurements: ``{"device": {...}, "measurements": {key: {config: m}}}``.
 
-    def __init__(self, path):
+    A recording may also list ``"crashes": {key: [config, ...]}``: configs that took the GPU context
+    down; replaying one raises `DeviceLost`, as the GPU runner does. ``delay`` seconds per measurement
+    make a replay take time like a real run (for watching, or testing, workers).
+    """
+
+    def __init__(self, path, delay: float = 0.0):
         self.path = Path(path)
+        self.delay = delay
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as error:
@@ -119,6 +125,7 @@ class ReplayRunner:
                 self.measurements[key] = {c: Measurement.from_dict(m) for c, m in by_config.items()}
             except (TypeError, ValueError) as error:
                 raise ValueError(f"{self.path}: measurements.{key}: {error}") from None
+        self.crashes = {key: set(configs) for key, configs in data.get("crashes", {}).items()}
         self.calls = 0
         self.name = f"replay of {self.path.name}"
 
@@ -131,7 +138,13 @@ class ReplayRunner:
         return list(self.measurements)
 
     def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        import time
+
         self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        if config_text(config) in self.crashes.get(key.text, ()):
+            raise DeviceLost(f"{config} crashed the GPU context on {key.text} (recorded crash)")
         recorded = self.measurements.get(key.text, {}).get(config_text(config))
         if recorded is None:
             return Measurement("infeasible", message="not in the recording")

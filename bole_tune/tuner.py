@@ -34,13 +34,25 @@ def default_storage() -> str:
 
 
 def open_storage(url: str | None):
-    """An Optuna storage for ``url`` (default: the user's SQLite file); a bad URL is a ValueError."""
+    """An Optuna storage for ``url`` (default: the user's SQLite file); a bad URL is a ValueError.
+
+    Trials send heartbeats every ``BOLE_TUNE_HEARTBEAT`` seconds (default 30): a trial whose process
+    died (SIGKILL, a lost host) is failed after three missed beats and its config tried again.
+    """
     url = url or default_storage()
     if "://" not in url:
         raise ValueError(f"--storage: {url!r} is not a storage URL (e.g. sqlite:///studies.db or "
                          "postgresql://user@host/db)")
+    raw = os.environ.get("BOLE_TUNE_HEARTBEAT", "30")
     try:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=90)
+        heartbeat = float(raw)
+    except ValueError:
+        raise ValueError(f"BOLE_TUNE_HEARTBEAT: expected seconds (a number), got {raw!r}") from None
+    try:
+        with warnings.catch_warnings():  # heartbeats: experimental in optuna's API, stable in use since v2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(url, heartbeat_interval=max(1, int(heartbeat)),
+                                              grace_period=max(2, int(3 * heartbeat)))
     except Exception as error:  # unknown dialect, unreachable server, missing driver
         raise ValueError(f"--storage: cannot open {url!r}: {str(error).splitlines()[0][:200]}") from None
 
@@ -54,6 +66,7 @@ class TuneResult:
     default: KernelConfig
     default_measurement: Measurement | None
     counts: dict = field(default_factory=dict)
+    workers: list = field(default_factory=list)  # host:pid of every process that measured a trial
 
     @property
     def speedup(self) -> float | None:
@@ -75,9 +88,19 @@ def _measurement_of(trial) -> Measurement | None:
     return Measurement.from_dict(data) if data else None
 
 
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
 def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: int, slug: str,
-                warm_start=(), shared_memory_limit: int | None = None, sampler=None, on_trial=None) -> TuneResult:
-    """Run (or resume) the study of one bucket until it holds ``n_trials`` finished trials."""
+                warm_start=(), shared_memory_limit: int | None = None, sampler=None, on_trial=None,
+                worker: str | None = None) -> TuneResult:
+    """Run (or resume, or join) the study of one bucket until it holds ``n_trials`` finished trials
+    (with a grid sampler: until every grid point is covered).
+
+    Several workers (processes, hosts) may run this on the same study at once: the first seeds it
+    with the default and warm-start configs, a config any worker already measured is answered from
+    the storage, and everyone stops when the study as a whole has ``n_trials`` finished trials.
+    """
     name = study_name(slug, key)
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=sampler or optuna.samplers.TPESampler(seed=0, n_startup_trials=6,
@@ -85,16 +108,23 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     with warnings.catch_warnings():  # experimental in optuna, stable in use since v2.9
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-    study.set_user_attr("key", key.as_dict())
     default = default_config(key.dk, key.dv)
-    finished = [t for t in study.trials if t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL]
-    if not finished:
-        seeds = [default] + [c for c in warm_start if c != default]
-        for config in seeds:
-            if all(v in space_values for v, space_values in zip(_params(config).values(), _space_lists(space))):
+    if not study.trials:
+        study.set_user_attr("key", key.as_dict())
+        for config in [default] + [c for c in warm_start if c != default]:
+            if all(v in values for v, values in zip(_params(config).values(), _space_lists(space))):
                 study.enqueue_trial(_params(config), skip_if_exists=True)
-    measured = {config_text(KernelConfig(**t.params)): _measurement_of(t) for t in finished
-                if _measurement_of(t) is not None}
+    measured: dict = {}
+
+    def known(text: str) -> Measurement | None:
+        """The measurement of ``text`` by this or any other worker, if there is one."""
+        if text not in measured:
+            for t in study.get_trials(deepcopy=False, states=FINISHED):
+                m = _measurement_of(t)
+                if m is not None and config_text(KernelConfig(**t.params)) == text:
+                    measured[text] = m
+                    break
+        return measured.get(text)
 
     def objective(trial: optuna.Trial) -> float:
         config = KernelConfig(
@@ -103,9 +133,11 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
             num_warps=trial.suggest_categorical("num_warps", list(space.num_warps)),
             num_stages=trial.suggest_categorical("num_stages", list(space.num_stages)),
         )
+        if worker:
+            trial.set_user_attr("worker", worker)
         text = config_text(config)
-        if text in measured:
-            m = measured[text]
+        m = known(text)
+        if m is not None:
             trial.set_user_attr("repeat_of_earlier_trial", True)
         else:
             ok, reason = feasible(config, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)
@@ -116,7 +148,7 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
             try:
                 m = runner.measure(key, config)
             except DeviceLost as error:
-                # record the crash as this config's result (a resumed run never retries it), then stop
+                # record the crash as this config's result (nobody retries it), then stop this process
                 lost.append(error)
                 m = Measurement("infeasible", message=f"crashed the GPU context: {error}")
                 trial.study.stop()
@@ -131,12 +163,29 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
         return m.p50_us
 
     lost: list = []
-    remaining = n_trials - len(finished)
-    if remaining > 0:
-        study.optimize(objective, n_trials=remaining, catch=())
+    finished = study.get_trials(deepcopy=False, states=FINISHED)
+    if isinstance(study.sampler, optuna.samplers.GridSampler):
+        # a grid is done when every point is covered, whoever covered it; the sampler stops the study
+        grid = len(space.configs())
+        if len({tuple(sorted(t.params.items())) for t in finished}) < grid:
+            study.optimize(objective, n_trials=grid, catch=())
+    elif len(finished) < n_trials:
+        study.optimize(objective, n_trials=n_trials - len(finished), catch=(),
+                       callbacks=[optuna.study.MaxTrialsCallback(n_trials, states=FINISHED)])
     if lost:
         raise DeviceLost(f"{lost[0]} (recorded in study {name}; run the same command again to resume)")
     return _result(study, key, name, default)
+
+
+def best_config_of(storage, slug: str, key: ShapeKey) -> KernelConfig | None:
+    return load_result(storage, slug, key).best
+
+
+def load_result(storage, slug: str, key: ShapeKey) -> TuneResult:
+    """The current result of a bucket's study, read from the storage (after the workers are done)."""
+    name = study_name(slug, key)
+    study = optuna.load_study(study_name=name, storage=storage)
+    return _result(study, key, name, default_config(key.dk, key.dv))
 
 
 def _space_lists(space: SearchSpace):
@@ -146,10 +195,13 @@ def _space_lists(space: SearchSpace):
 def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResult:
     counts = {"total": 0, "measured": 0, "ok": 0, "wrong": 0, "infeasible": 0, "pruned": 0}
     best, best_m, default_m = None, None, None
+    workers = set()
     for t in study.trials:
-        if not t.state.is_finished():
+        if t.state not in FINISHED:
             continue
         counts["total"] += 1
+        if "worker" in t.user_attrs:
+            workers.add(t.user_attrs["worker"])
         status = t.user_attrs.get("status", "failed")
         m = _measurement_of(t)
         if status == "pruned":
@@ -165,7 +217,7 @@ def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResul
             default_m = m
         if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
             best, best_m = config, m
-    return TuneResult(key, name, best, best_m, default, default_m, counts)
+    return TuneResult(key, name, best, best_m, default, default_m, counts, sorted(workers))
 
 
 def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:

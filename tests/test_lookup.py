@@ -104,3 +104,22 @@ def test_unreadable_database_falls_back_with_a_warning(db, monkeypatch):
     tree = type("T", (), {"max_tree_size": 64, "num_requests": 16})()
     with pytest.warns(UserWarning, match="unreadable database"):
         assert lookup.config_for(shape, torch.bfloat16, tree, torch.device("cuda", 0)) == default_config(128, 128)
+
+
+def test_tensor_parallel_entries_serve_the_ranks_heads(db, monkeypatch):
+    """A TP4 deployment of Qwen3.5-122B-A10B runs 16 value and 4 key heads per rank."""
+    from bole_tune.profiles import resolve_model
+
+    shape = resolve_model("qwen3.5-122b-a10b").gdn(tp=4)
+    assert (shape.hv, shape.hk) == (16, 4)
+    tp_key = ShapeKey(shape.hv, shape.hk, 128, 128, "bf16", 64, 16, tp=4)
+    assert tp_key.text.endswith("-TP4")
+    database.update(database.database_path(SLUG, db), configs={tp_key.text: entry(tp_key, b_v=64)})
+    decision = lookup.decide(ShapeKey(16, 4, 128, 128, "bf16", 64, 16), SLUG)
+    assert decision.how == "exact" and decision.config.b_v == 64
+    monkeypatch.setattr(lookup, "_device_slug", lambda device: SLUG)
+    runtime_shape = type("S", (), {"hv": 16, "hk": 4, "dk": 128, "dv": 128})()
+    tree = type("T", (), {"max_tree_size": 64, "num_requests": 16})()
+    assert lookup.config_for(runtime_shape, torch.bfloat16, tree, torch.device("cuda", 0)).b_v == 64
+    with pytest.raises(ValueError, match="tp=3"):
+        resolve_model("qwen3.5-122b-a10b").gdn(tp=3)

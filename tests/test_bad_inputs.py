@@ -1,0 +1,265 @@
+"""The catalogue of malformed inputs: each gets a clear error naming what is wrong; nothing is written.
+
+API calls run against a valid batch with one argument broken; the state pool must be unchanged after
+the error. File, environment and command-line cases check that the database file is byte-for-byte
+unchanged.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bole_tune import KernelConfig, TreeBatch, database
+from bole_tune.acceptance import load_acceptance
+from bole_tune.kernels import tree_commit, tree_verify
+from bole_tune.kernels.common import VerifyShape, result_buffers
+from bole_tune.profiles import ProfileError, load_model
+from bole_tune.search_space import SearchSpace
+from bole_tune.workloads import make_inputs, make_tree
+
+
+@pytest.fixture
+def batch():
+    tree = make_tree([5, 3], seed=1)
+    x = make_inputs(tree, 2, 4, 32, 32, torch.float32, "cpu", seed=1)
+    return tree, x
+
+
+def replace(x, **changes):
+    args = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta, state=x.state, state_indices=x.state_indices)
+    args.update(changes)
+    return args
+
+
+def nan_at(t, value=float("nan")):
+    t = t.clone()
+    t.view(-1)[0] = value
+    return t
+
+
+VERIFY_CASES = {
+    "q-2d": (lambda t, x: replace(x, q=x.q[:, 0]), ValueError, "q: expected a 3-D tensor"),
+    "q-rows": (lambda t, x: replace(x, q=x.q[:-1]), ValueError, "q: has 7 rows but the tree has 8 nodes"),
+    "k-shape": (lambda t, x: replace(x, k=x.k[:, :1]), ValueError, "k: expected shape"),
+    "v-rows": (lambda t, x: replace(x, v=x.v[:-1]), ValueError, "v: has 7 rows"),
+    "heads-not-multiple": (lambda t, x: replace(x, v=x.v[:, :3], g=x.g[:, :3], beta=x.beta[:, :3],
+                                                state=x.state[:, :3]), ValueError, "multiple of key heads"),
+    "g-shape": (lambda t, x: replace(x, g=x.g[:, :2]), ValueError, "g: expected shape"),
+    "beta-shape": (lambda t, x: replace(x, beta=x.beta[:-1]), ValueError, "beta: expected shape"),
+    "state-shape": (lambda t, x: replace(x, state=x.state[:, :, :16]), ValueError, "state: expected shape"),
+    "slots-shape": (lambda t, x: replace(x, state_indices=x.state_indices[:1]), ValueError, "state_indices: expected shape"),
+    "head-size": (lambda t, x: replace(x, q=torch.randn(8, 2, 48), k=torch.randn(8, 2, 48),
+                                       state=torch.zeros(5, 4, 32, 48)), ValueError, "dk=48 is not supported"),
+    "q-int": (lambda t, x: replace(x, q=x.q.to(torch.int32)), TypeError, "q: dtype torch.int32"),
+    "k-dtype": (lambda t, x: replace(x, k=x.k.half()), TypeError, "k: dtype torch.float16 differs"),
+    "g-float64": (lambda t, x: replace(x, g=x.g.double()), TypeError, "g: dtype torch.float64"),
+    "state-bf16": (lambda t, x: replace(x, state=x.state.bfloat16()), TypeError, "state: dtype"),
+    "slots-float": (lambda t, x: replace(x, state_indices=x.state_indices.float()), TypeError, "state_indices: dtype"),
+    "device": (lambda t, x: replace(x, k=x.k.to("meta")), ValueError, "k: on device meta"),
+    "not-a-tensor": (lambda t, x: replace(x, q=x.q.tolist()), TypeError, "q: expected a torch.Tensor"),
+    "g-nan": (lambda t, x: replace(x, g=nan_at(x.g)), ValueError, "g: contains NaN or inf"),
+    "beta-inf": (lambda t, x: replace(x, beta=nan_at(x.beta, float("inf"))), ValueError, "beta: contains NaN or inf"),
+    "g-positive": (lambda t, x: replace(x, g=nan_at(x.g, 0.5)), ValueError, "g: has positive entries"),
+    "beta-above-1": (lambda t, x: replace(x, beta=nan_at(x.beta, 1.5)), ValueError, "beta: has entries outside"),
+    "slot-negative": (lambda t, x: replace(x, state_indices=torch.tensor([-1, 0], dtype=torch.int32)), ValueError,
+                      "negative slot index"),
+    "slot-too-large": (lambda t, x: replace(x, state_indices=torch.tensor([0, 5], dtype=torch.int32)), ValueError,
+                       "slot index >= num_slots=5"),
+    "slot-repeated": (lambda t, x: replace(x, state_indices=torch.tensor([2, 2], dtype=torch.int32)), ValueError,
+                      "names a slot twice"),
+    "state-strided": (lambda t, x: replace(x, state=x.state.transpose(2, 3)), ValueError,
+                      "last \\(dk\\) dimension must be contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERIFY_CASES), ids=list(VERIFY_CASES))
+def test_tree_verify_refuses(batch, case):
+    tree, x = batch
+    make, error, message = VERIFY_CASES[case]
+    before = x.state.clone()
+    args = make(tree, x)
+    with pytest.raises(error, match=message):
+        tree_verify(tree=tree, **args)
+    assert torch.equal(x.state, before)
+
+
+OPTION_CASES = {
+    "scale-negative": (dict(scale=-1.0), ValueError, "scale: expected a positive finite number"),
+    "scale-nan": (dict(scale=float("nan")), ValueError, "scale: expected a positive finite number"),
+    "config-type": (dict(config=(64, 32, 4, 2)), TypeError, "config: expected a KernelConfig"),
+    "config-tiles": (dict(config=KernelConfig(64, 64)), ValueError, "config: tiles b_k=64, b_v=64 must divide dk=32"),
+    "tree-type": (dict(tree=[[-1, 0]]), TypeError, "tree: expected a TreeBatch"),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES), ids=list(OPTION_CASES))
+def test_tree_verify_refuses_options(batch, case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # reach the launcher's config checks on the CPU
+    tree, x = batch
+    kwargs, error, message = OPTION_CASES[case]
+    with pytest.raises(error, match=message):
+        tree_verify(**{"tree": tree, **replace(x), **kwargs})
+
+
+def test_out_buffer_of_the_wrong_shape(batch):
+    tree, x = batch
+    wrong = result_buffers(VerifyShape(8, 2, 5, 2, 4, 32, 16, 1.0), torch.float32, "cpu", tree, None)
+    with pytest.raises(ValueError, match="out.o: expected a contiguous"):
+        tree_verify(*x.args(tree), out=wrong)
+
+
+TREE_CASES = {
+    "forward-parent": ([[-1, 2, 0]], ValueError, "parent 2 does not precede its child 1"),
+    "parent-minus-2": ([[-1, -2]], ValueError, "parent -2 is out of range"),
+    "self-parent": ([[-1, 1]], ValueError, "does not precede its child 1"),
+    "empty-request": ([[-1], []], ValueError, "request 1 has no nodes"),
+    "empty-batch": ([], ValueError, "the batch is empty"),
+    "float-parent": ([[-1, 0.5]], TypeError, "expected an int"),
+    "float-tensor": ([torch.tensor([-1.0, 0.0])], TypeError, "expected a 1-D integer tensor"),
+    "not-a-list": (3, TypeError, "expected a list"),
+}
+
+
+@pytest.mark.parametrize("case", list(TREE_CASES), ids=list(TREE_CASES))
+def test_tree_batch_refuses(case):
+    parents, error, message = TREE_CASES[case]
+    with pytest.raises(error, match=message):
+        TreeBatch.from_parents(parents)
+
+
+COMMIT_CASES = {
+    "accepted-out-of-range": (lambda t, x, r: dict(accepted=torch.tensor([5, 0])), ValueError,
+                              "accepted\\[0\\]=5 is out of range for request 0 with 5 nodes"),
+    "accepted-below-minus-1": (lambda t, x, r: dict(accepted=torch.tensor([0, -2])), ValueError, "accepted\\[1\\]=-2"),
+    "accepted-shape": (lambda t, x, r: dict(accepted=torch.tensor([0])), ValueError, "accepted: expected shape"),
+    "accepted-float": (lambda t, x, r: dict(accepted=torch.tensor([0.0, 1.0])), TypeError, "accepted: dtype"),
+    "res-type": (lambda t, x, r: dict(res={"o": r.o}), TypeError, "res: expected the TreeVerifyResult"),
+    "state-shape": (lambda t, x, r: dict(state=x.state[:, :2]), ValueError, "state: expected shape"),
+    "slots-repeated": (lambda t, x, r: dict(state_indices=torch.tensor([1, 1], dtype=torch.int32)), ValueError,
+                       "names a slot twice"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMMIT_CASES), ids=list(COMMIT_CASES))
+def test_tree_commit_refuses(batch, case):
+    tree, x = batch
+    res = tree_verify(*x.args(tree))
+    make, error, message = COMMIT_CASES[case]
+    before = x.state.clone()
+    args = {"state": x.state, "state_indices": x.state_indices, "res": res, "accepted": torch.tensor([0, 1]),
+            **make(tree, x, res)}
+    with pytest.raises(error, match=message):
+        tree_commit(**args)
+    assert torch.equal(x.state, before), "a refused commit wrote the state pool"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(b_k=48, b_v=32), "KernelConfig.b_k: expected a power of two >= 16"),
+    (dict(b_k=32, b_v=8), "KernelConfig.b_v"),
+    (dict(b_k=32, b_v=32, num_warps=3), "KernelConfig.num_warps"),
+    (dict(b_k=32, b_v=32, num_stages=0), "KernelConfig.num_stages"),
+], ids=["b_k", "b_v", "warps", "stages"])
+def test_kernel_config_refuses(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KernelConfig(**kwargs)
+
+
+GOOD_MODEL = open(os.path.join(os.path.dirname(__file__), "..", "profiles", "models", "qwen3.5-9b.yaml")).read()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: [unclosed", "not valid YAML"),
+    (GOOD_MODEL + "colour: blue\n", "colour: unknown field"),
+    (GOOD_MODEL.replace("num_value_heads: 32", "num_value_heads: many"), "gdn.num_value_heads: expected a positive int"),
+    (GOOD_MODEL.replace("num_value_heads: 32", "num_value_heads: 30"), "not a multiple of num_key_heads"),
+    (GOOD_MODEL.replace("kind: dense", "kind: sparse"), "ffn.kind: expected 'dense' or 'moe'"),
+    ("- a list\n", "expected a mapping at the top level"),
+], ids=["yaml", "unknown-field", "bad-int", "heads", "ffn-kind", "not-a-mapping"])
+def test_model_profile_errors_name_file_and_field(tmp_path, text, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=message) as info:
+        load_model(str(path))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("b_k: []\nb_v: [32]\nnum_warps: [4]\nnum_stages: [2]\n", "b_k: the list is empty"),
+    ("b_k: [24]\nb_v: [32]\nnum_warps: [4]\nnum_stages: [2]\n", "KernelConfig.b_k"),
+    ("b_k: [32]\nb_v: [32]\nnum_warps: [4]\nnum_stages: [2]\nblock_t: [64]\n", "block_t: unknown field"),
+], ids=["empty", "not-power-of-two", "unknown"])
+def test_search_space_errors(tmp_path, text, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=message):
+        SearchSpace.load(path)
+
+
+def test_acceptance_model_error(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("name: a\ndepth_acceptance: [1.5]\nrank_share: [1.0]\n")
+    with pytest.raises(ProfileError, match="depth_acceptance\\[0\\]: expected a probability"):
+        load_acceptance(str(path))
+
+
+@pytest.mark.parametrize("variable, value, call, message", [
+    ("BOLE_TUNE_LOOKUP", "fastest", lambda: __import__("bole_tune.lookup").lookup.policy(), "BOLE_TUNE_LOOKUP"),
+    ("BOLE_TUNE_VALIDATE", "maybe", lambda: __import__("bole_tune.kernels.common").kernels.common.validation_enabled(None),
+     "BOLE_TUNE_VALIDATE"),
+    ("BOLE_TUNE_HEARTBEAT", "often", lambda: __import__("bole_tune.tuner").tuner.open_storage("sqlite://"),
+     "BOLE_TUNE_HEARTBEAT"),
+], ids=["lookup", "validate", "heartbeat"])
+def test_bad_environment_variables(monkeypatch, variable, value, call, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("url, message", [("studies.db", "is not a storage URL"), ("nosuchdb://host/x", "cannot open")],
+                         ids=["no-scheme", "unknown-dialect"])
+def test_bad_storage_urls(url, message):
+    from bole_tune.tuner import open_storage
+    with pytest.raises(ValueError, match=message):
+        open_storage(url)
+
+
+@pytest.fixture
+def db_file(tmp_path):
+    from test_database import KEY, entry
+    path = tmp_path / "replay-gpu.yaml"
+    database.update(path, configs={KEY.text: entry()})
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tune", "--workers", "0", "--replay", "REC"], "--workers"),
+    (["tune", "--record", "out.json", "--replay", "REC"], "--record: only with --exhaustive"),
+    (["tune", "--trials", "0", "--replay", "REC"], "--trials"),
+    (["step", "--context", "0"], "--context"),
+    (["budget", "--gpu", "replay-gpu", "--model", "qwen3.5-9b"], "no step curve"),
+    (["lookup", "--hv", "0", "--hk", "16", "--dk", "128", "--dv", "128", "--tree-size", "64", "--batch", "1"], "--hv"),
+], ids=["workers", "record", "trials", "context", "budget-no-curve", "lookup-heads"])
+def test_cli_refuses_and_leaves_the_database_alone(tmp_path, db_file, args, message):
+    from test_tuner import write_recording
+    before = db_file.read_bytes()
+    args = [str(write_recording(tmp_path / "rec.json")) if a == "REC" else a for a in args]
+    env = {**os.environ}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-m", "bole_tune.cli", *args, "--db-dir", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and message in result.stderr + result.stdout
+    assert db_file.read_bytes() == before, "a refused command changed the database"
+
+
+def test_unknown_schema_and_truncated_database(db_file):
+    text = db_file.read_text()
+    db_file.write_text(text.replace("schema_version: 1", "schema_version: 3"))
+    with pytest.raises(database.DatabaseError, match="reads versions \\[1\\]"):
+        database.load(db_file)
+    db_file.write_text(text[: len(text) // 3] + "\n  - {")
+    with pytest.raises(database.DatabaseError, match="replay-gpu.yaml"):
+        database.load(db_file)
