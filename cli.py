@@ -253,19 +253,6 @@ def _progress():
                     TextColumn("eta"), TimeRemainingColumn(), console=console)
 
 
-def _all_keys(plan):
-    from bole_tune.database import ShapeKey, batch_bucket, tree_bucket
-
-    keys = []
-    for model in plan.models:
-        shape = model.gdn(plan.tp)
-        for size in plan.tune_tree_sizes:
-            for batch in plan.tune_batches:
-                keys.append(ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
-                                     batch_bucket(batch), plan.tp))
-    return keys
-
-
 def _precompile(runner, keys, space) -> None:
     """Compile every feasible config in parallel worker processes first (GPU runs only)."""
     from bole_tune.precompile import precompile
@@ -284,7 +271,7 @@ def _precompile(runner, keys, space) -> None:
 
 
 def _run_tuning(args, plan, runner, db_path, space) -> list:
-    from bole_tune.profiler import tune_all
+    from bole_tune.profiler import plan_keys, tune_all
     from bole_tune.runners import ReplayRunner
     from bole_tune.workers import visible_devices
 
@@ -293,7 +280,7 @@ def _run_tuning(args, plan, runner, db_path, space) -> list:
         spec = {"kind": "replay", "path": str(Path(runner.path).resolve()), "delay": runner.delay}
         workers = args.workers or 1
     else:
-        _precompile(runner, _all_keys(plan), space)
+        _precompile(runner, plan_keys(plan), space)
         spec = {"kind": "gpu", "repeats": plan.repeats}
         workers = args.workers or max(1, len(visible_devices()))
     console.print(f"tuning with {workers} worker process{'es' if workers > 1 else ''} on {storage_url}")
@@ -422,7 +409,7 @@ def _curve_table(rows) -> Table:
 def cmd_tune(args) -> int:
     import torch
 
-    from bole_tune.database import DatabaseError, ShapeKey, batch_bucket, tree_bucket
+    from bole_tune.database import DatabaseError
     from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
     from bole_tune.tuner import exhaustive_bucket
 
@@ -448,22 +435,19 @@ def cmd_tune(args) -> int:
     _prepare_database(db_path, args.replace_corrupt)
     console.print(f"[bold]bole-tune tune[/] with {runner.name} -> {db_path}")
     if args.exhaustive:
-        _precompile(runner, _all_keys(plan), space)
+        from bole_tune.profiler import plan_keys
+
+        keys = plan_keys(plan)
+        _precompile(runner, keys, space)
         with _progress() as bar:
-            total = len(plan.models) * len(plan.tune_batches) * len(plan.tune_tree_sizes) * len(space.configs())
-            task = bar.add_task("exhaustive", total=total)
-            for model in plan.models:
-                shape = model.gdn(plan.tp)
-                for size in plan.tune_tree_sizes:
-                    for batch in plan.tune_batches:
-                        key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
-                                       batch_bucket(batch), plan.tp)
-                        bar.update(task, description=f"exhaustive {key.text}")
-                        found = exhaustive_bucket(runner, key, space, on_trial=lambda c, m: bar.advance(task))
-                        ok = {c: m for c, m in found.items() if m.status == "ok"}
-                        if ok:
-                            best = min(ok, key=lambda c: ok[c].p50_us)
-                            console.print(f"  {key.text}: best {best} {ok[best].p50_us:.1f} us of {len(ok)} working")
+            task = bar.add_task("exhaustive", total=len(keys) * len(space.configs()))
+            for key in keys:
+                bar.update(task, description=f"exhaustive {key.text}")
+                found = exhaustive_bucket(runner, key, space, on_trial=lambda c, m: bar.advance(task))
+                ok = {c: m for c, m in found.items() if m.status == "ok"}
+                if ok:
+                    best = min(ok, key=lambda c: ok[c].p50_us)
+                    console.print(f"  {key.text}: best {best} {ok[best].p50_us:.1f} us of {len(ok)} working")
         return 0
     try:
         results = _run_tuning(args, plan, runner, db_path, space)

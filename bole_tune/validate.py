@@ -153,9 +153,7 @@ def validate_layers(size: ModelSize = ModelSize(), device="cpu", trees: int = 3,
                 state0, conv0 = _states_of(start, layer, width)
                 state, conv = state0[None].clone(), conv0[None].clone()
                 slots = torch.zeros(1, dtype=torch.int32, device=device)
-                step = gdn_tree_step(module.in_proj_qkv(x), module.in_proj_a(x), module.in_proj_b(x),
-                                     GDNLayerParams.from_transformers(module), state, conv, slots, tree)
-                y = _layer_output(module, step.o, module.in_proj_z(x))
+                y, step = gdn_forward(module, x, state, conv, slots, tree)
                 gdn_tree_commit(state, conv, slots, step, torch.tensor([accepted], device=device))
                 want_state, want_conv = _states_of(caches[accepted], layer, width)
                 errors = (relative_error(y, y_ref), relative_error(state[0], want_state),
@@ -171,11 +169,17 @@ def validate_layers(size: ModelSize = ModelSize(), device="cpu", trees: int = 3,
     return report
 
 
-def _layer_output(module, o, z):
-    """transformers' tail of the layer: gated RMS norm per head, then the output projection."""
-    n, hv, dv = o.shape
-    core = module.norm(o.reshape(-1, dv).float(), z.reshape(-1, dv))
-    return module.out_proj(core.reshape(n, hv * dv))
+def gdn_forward(module, x, state, conv_state, slots, tree, validate=None):
+    """A transformers GDN module's forward over a tree, its core through our tree step.
+
+    ``x``: ``[N, hidden]`` the layer's (normed) input at every node. Returns the layer output
+    ``[N, hidden]`` and the step result (for the commit).
+    """
+    step = gdn_tree_step(module.in_proj_qkv(x), module.in_proj_a(x), module.in_proj_b(x),
+                         GDNLayerParams.from_transformers(module), state, conv_state, slots, tree, validate=validate)
+    n, hv, dv = step.o.shape
+    core = module.norm(step.o.reshape(-1, dv).float(), module.in_proj_z(x).reshape(-1, dv))
+    return module.out_proj(core.reshape(n, hv * dv)), step
 
 
 def _run_paths(model, start_cache, parents, tokens, gdn_layers):
@@ -253,13 +257,9 @@ class TreeDecoder:
         for i, layer in enumerate(m.layers):
             residual, x = h, layer.input_layernorm(h)
             if i in self.gdn:
-                mod = layer.linear_attn
-                flat = x[0]
-                step = gdn_tree_step(mod.in_proj_qkv(flat), mod.in_proj_a(flat), mod.in_proj_b(flat),
-                                     GDNLayerParams.from_transformers(mod), self.states[i], self.convs[i],
-                                     self.slots, tree, validate=False)
-                self.steps[i] = step
-                out = _layer_output(mod, step.o, mod.in_proj_z(flat))[None]
+                out, self.steps[i] = gdn_forward(layer.linear_attn, x[0], self.states[i], self.convs[i], self.slots,
+                                                 tree, validate=False)
+                out = out[None]
             else:
                 cache = _AppendCache(self.keys[i], self.values[i])
                 out, _ = layer.self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=mask,

@@ -148,7 +148,7 @@ def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, val
     return VerifyShape(n, tree.num_requests, state.shape[0], hk, hv, dk, dv, float(scale))
 
 
-def _slot_checks(state_indices, num_slots) -> list:
+def slot_checks(state_indices, num_slots) -> list:
     sorted_slots = torch.sort(state_indices.long()).values
     return [
         (sorted_slots[0] < 0, "state_indices: has a negative slot index"),
@@ -158,7 +158,7 @@ def _slot_checks(state_indices, num_slots) -> list:
     ]
 
 
-def _raise_first(checks) -> None:
+def raise_first(checks) -> None:
     """Evaluate device-side checks with one copy to the host; raise the first that failed."""
     flags = torch.stack([flag for flag, _ in checks]).tolist()
     for flag, (_, message) in zip(flags, checks):
@@ -167,12 +167,12 @@ def _raise_first(checks) -> None:
 
 
 def _check_values(g, beta, state_indices, num_slots) -> None:
-    _raise_first([
+    raise_first([
         (~torch.isfinite(g).all(), "g: contains NaN or inf (the log-decay must be finite)"),
         ((g > 0).any(), "g: has positive entries (g is a log-decay and must be <= 0)"),
         (~torch.isfinite(beta).all(), "beta: contains NaN or inf"),
         (((beta < 0) | (beta > 1)).any(), "beta: has entries outside [0, 1]"),
-        *_slot_checks(state_indices, num_slots),
+        *slot_checks(state_indices, num_slots),
     ])
 
 
@@ -203,8 +203,8 @@ def check_commit_inputs(state, state_indices, result, accepted, validate) -> Non
     if validation_enabled(validate):
         sizes = (tree.offsets[1:] - tree.offsets[:-1]).to(accepted.dtype)
         out_of_range = (accepted < -1) | (accepted >= sizes)
-        _raise_first([
-            *_slot_checks(state_indices, state.shape[0]),
+        raise_first([
+            *slot_checks(state_indices, state.shape[0]),
             (out_of_range.any(), lambda: _accepted_message(accepted, out_of_range, tree)),
         ])
 

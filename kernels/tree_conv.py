@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from bole_tune.tree import TreeBatch
-from .common import INDEX_DTYPES, INPUT_DTYPES, use_triton, validation_enabled
+from .common import INDEX_DTYPES, INPUT_DTYPES, raise_first, slot_checks, use_triton, validation_enabled
 
 
 @triton.jit
@@ -119,14 +119,7 @@ def _check_pool(x, conv_state, state_indices, tree, validate, name) -> tuple[int
     if conv_state.stride(-1) != 1:
         raise ValueError("conv_state: the last (width) dimension must be contiguous; it is updated in place")
     if validation_enabled(validate):
-        sorted_slots = torch.sort(state_indices.long()).values
-        flags = torch.stack([sorted_slots[0] < 0, sorted_slots[-1] >= conv_state.shape[0],
-                             (sorted_slots[1:] == sorted_slots[:-1]).any()]).tolist()
-        for flag, message in zip(flags, ("state_indices: has a negative slot index",
-                                         f"state_indices: has a slot index >= num_slots={conv_state.shape[0]}",
-                                         "state_indices: names a slot twice")):
-            if flag:
-                raise ValueError(message)
+        raise_first(slot_checks(state_indices, conv_state.shape[0]))
     return channels, conv_state.shape[2] + 1
 
 
