@@ -755,14 +755,35 @@ def cmd_report(args) -> int:
 
     path = _resolve_db_file(argparse.Namespace(file=None, gpu=args.gpu, db_dir=args.db_dir))
     try:
-        files = write_report(database.load(path), args.out)
-    except database.DatabaseError as error:
+        data = database.load(path)
+        files = write_report(data, args.out)
+    except (database.DatabaseError, ValueError) as error:
         raise UsageError(str(error)) from None
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    console.print(_report_table(data))
     for f in files:
         console.print(f"written: {f}")
     return 0
+
+
+def _report_table(data) -> Table:
+    """Per model and batch: plain decoding, the chosen budget and what it gains."""
+    table = Table(title=f"summary: {data.get('device', {}).get('name', '')}")
+    for column in ("model", "B", "plain step ms", "chosen", "step ms", "E[MAT]", "tokens/s", "x plain",
+                   "GDN via serial: step ms"):
+        table.add_column(column, justify="left" if column in ("model", "chosen") else "right", no_wrap=True)
+    curves = data.get("step_curves", {})
+    for name, budget in data.get("budgets", {}).items():
+        points = {(p["batch"], p["tree_size"]): p for p in curves.get(budget.get("step_curve", ""), {}).get("points", [])}
+        for batch, b in sorted(budget["batches"].items(), key=lambda kv: int(kv[0])):
+            plain = points.get((int(batch), 1), {}).get("step_us")
+            near = min((p for (pb, _), p in points.items() if pb == int(batch) and "step_serial_us" in p),
+                       key=lambda p: abs(p["tree_size"] - b["nodes_per_request"]), default=None)
+            table.add_row(name.split("/")[0], str(batch), f"{plain / 1000:.2f}" if plain else "-",
+                          f"{b['nodes_per_request']} ({b['shape']})", f"{b['step_us'] / 1000:.2f}",
+                          f"{b['expected_mean_accepted']:.2f}", f"{b['tokens_per_second']:.0f}",
+                          f"{b['speedup_vs_no_speculation']:.2f}x",
+                          f"{near['step_serial_us'] / 1000:.2f} (T={near['tree_size']})" if near else "-")
+    return table
 
 
 def _add_validate(sub) -> None:

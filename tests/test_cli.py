@@ -146,6 +146,7 @@ def test_step_budget_report_and_calibrate(tmp_path):
     assert sglang["4"]["speculative_num_draft_tokens"] == budgets["batches"][4]["nodes_per_request"]
     report = run("report", "--gpu", slug, "--db-dir", str(db), "--out", str(tmp_path / "plots"))
     assert report.returncode == 0, report.stderr
+    assert "summary" in report.stdout and "Tiny-MoE" in report.stdout
     for stem in ("step_latency", "budget", "tree_vs_serial"):
         for suffix in ("png", "svg"):
             assert (tmp_path / "plots" / f"{stem}.{suffix}").stat().st_size > 1000
