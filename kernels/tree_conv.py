@@ -91,8 +91,11 @@ def tree_conv_commit_kernel(
                  mask=m_t[:, None] & m_c[None, :])
 
 
-def _check_pool(x, conv_state, state_indices, tree, validate, name) -> tuple[int, int]:
-    """Shared checks of the inputs, the conv-state pool and the slots; returns (channels, width)."""
+def _check_pool(x, conv_state, state_indices, tree, validate, name, finite_x=False) -> tuple[int, int]:
+    """Shared checks of the inputs, the conv-state pool and the slots; returns (channels, width).
+
+    Value checks (slots, and with ``finite_x`` NaN or inf in x) cost one device-to-host copy together.
+    """
     if not isinstance(tree, TreeBatch):
         raise TypeError(f"tree: expected a TreeBatch, got {type(tree).__name__}")
     for arg, t in ((name, x), ("conv_state", conv_state), ("state_indices", state_indices)):
@@ -119,7 +122,8 @@ def _check_pool(x, conv_state, state_indices, tree, validate, name) -> tuple[int
     if conv_state.stride(-1) != 1:
         raise ValueError("conv_state: the last (width) dimension must be contiguous; it is updated in place")
     if validation_enabled(validate):
-        raise_first(slot_checks(state_indices, conv_state.shape[0]))
+        nan_check = [(~torch.isfinite(x).all(), f"{name}: contains NaN or inf")] if finite_x else []
+        raise_first(nan_check + slot_checks(state_indices, conv_state.shape[0]))
     return channels, conv_state.shape[2] + 1
 
 
@@ -139,7 +143,7 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
     """
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
-    channels, width = _check_pool(x, conv_state, state_indices, tree, validate, "x")
+    channels, width = _check_pool(x, conv_state, state_indices, tree, validate, "x", finite_x=True)
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
     if tuple(weight.shape) != (channels, width):
@@ -147,8 +151,6 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
                          f"last dimension + 1), got {tuple(weight.shape)}")
     if weight.dtype not in INPUT_DTYPES or weight.device != x.device:
         raise TypeError(f"weight: expected a bf16, fp16 or fp32 tensor on {x.device}, got {weight.dtype} on {weight.device}")
-    if validation_enabled(validate) and not bool(torch.isfinite(x).all()):
-        raise ValueError("x: contains NaN or inf")
     if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
                             or out.device != x.device or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}")

@@ -22,7 +22,6 @@ value-tiled solve share registers; nothing T x T touches device memory). One pro
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -205,7 +204,7 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
     if not config.fits(shape.dk, shape.dv):
         raise ValueError(f"config: tiles b_k={config.b_k}, b_v={config.b_v} must divide dk={shape.dk}, dv={shape.dv}")
-    n, hv, hk, dk, dv = shape.num_nodes, shape.hv, shape.hk, shape.dk, shape.dv
+    hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
     q, sq_n, sq_h = token_head_strides(q)
     k, sk_n, sk_h = token_head_strides(k)
     v, sv_n, sv_h = token_head_strides(v)

@@ -1,5 +1,5 @@
 """Scratch: time a grid of tile configs on 9B cases; registers and spills of each compiled variant."""
-import itertools, json, sys, torch
+import itertools, json, sys
 from bole_tune import KernelConfig
 from bole_tune.bench import BenchCase, CaseBench, bench_verify
 from bole_tune.profiles import GDNShape

@@ -109,7 +109,7 @@ def synthetic_log(path, model, rounds=4000, width=3, depth=4, seed=0):
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(rounds):
-            parents, ranks, depths = [], [], []
+            parents, ranks = [], []
             frontier = [-1]
             for d in range(1, depth + 1):
                 nxt = []
