@@ -97,7 +97,7 @@ def write_report(data: dict, out) -> list[Path]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("verified tokens per step")
             ax.set_ylabel("step latency (ms)")
-            ax.set_title(f"{curve['model']}\nGDN layers: tree_verify (solid), serial_verify (dashed)")
+            ax.set_title(f"{curve['model']}\nGDN layers: tree (solid), serial (dashed)")
             ax.legend(fontsize=7)
         files += _save(fig, out, "tree_vs_serial")
         plt.close(fig)

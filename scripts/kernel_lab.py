@@ -1,0 +1,289 @@
+"""Where tree_verify's time goes on a GPU: variants that leave one stage out, timed side by side.
+
+Usage (on the GPU machine, from the repository root):
+    python3 scripts/kernel_lab.py --ablation OUT.json     stage ablations of the shipped kernel
+    python3 scripts/kernel_lab.py OUT.json [--commit]     shipped kernel against the two-stage experiment
+    ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
+Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
+
+Ablation variants are the shipped kernel's source with one textual patch, written to a temporary
+module and launched with the shipped wrapper's arguments. Variants that drop a stage compute wrong
+outputs: they are timed, never used. Differences of medians place the time of each stage (METHOD.md).
+The two-stage experiment (benchmarks/experiments/two_stage_tree_verify.py) splits the verifier into
+a factor kernel and a value kernel; BENCHMARKS.md records what it measured and why it was not shipped.
+Results of the 2026-11-29 runs: benchmarks/experiments/*.json.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+from bole_tune.kernels import tree_verify as shipped_module_fn  # noqa: F401  (imports the package)
+from bole_tune.kernels.common import (
+    check_verify_inputs,
+    dot_precision,
+    gram_dtype,
+    result_buffers,
+    token_head_strides,
+)
+
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.config import KernelConfig, node_block
+from bole_tune.profiles import load_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "kernels" / "tree_verify.py"
+EXPERIMENTS = ROOT / "benchmarks" / "experiments"
+
+PATCHES = {
+    "base": [],
+    "nograms": [
+        ("            b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)\n", ""),
+        ("            b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", ""),
+    ],
+    "nostate": [
+        ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n", ""),
+        ("            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n", ""),
+        ("            b_s = tl.load(p_state + o_k[None, :])\n", ""),
+    ],
+    "nooutdot": [
+        ("        b_o = tl.dot(b_c_ii, b_u, b_o, input_precision=DOT_PRECISION)\n", ""),
+    ],
+}
+
+
+def load_variant(name: str, patches):
+    text = SRC.read_text().replace("from .common import", "from bole_tune.kernels.common import")
+    for old, new in patches:
+        assert old in text, (name, old)
+        text = text.replace(old, new)
+    path = pathlib.Path(tempfile.mkdtemp()) / f"tv_{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"tv_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tree_verify_fwd_kernel
+
+
+def make_verify(kernel, b_t_override=None, zero_depth=False):
+    def verify(q, k, v, g, beta, state, state_indices, tree, scale=None, use_qk_l2norm=True, config=None,
+               validate=False, out=None):
+        shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, False)
+        q2, sq_n, sq_h = token_head_strides(q)
+        k2, sk_n, sk_h = token_head_strides(k)
+        v2, sv_n, sv_h = token_head_strides(v)
+        res = result_buffers(shape, q.dtype, q.device, tree, out)
+        b_t = b_t_override or node_block(tree.max_tree_size)
+        block_depth, max_blocks = tree.block_depths(b_t)
+        if zero_depth:
+            block_depth = torch.zeros_like(block_depth)
+        kernel[(shape.dv // config.b_v, shape.hv, shape.num_requests)](
+            q2, k2, v2, g, beta, state, state_indices,
+            tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+            res.o, res.u, res.log_decay, res.k, res.k_scale,
+            shape.scale, max_blocks, shape.hv, shape.hk,
+            sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+            state.stride(0), state.stride(1), state.stride(2),
+            D_K=shape.dk, D_V=shape.dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+            USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return res
+    return verify
+
+
+def label(c: KernelConfig) -> str:
+    return f"{c.b_k}/{c.b_v}/{c.num_warps}/{c.num_stages}"
+
+
+def ncu_case():
+    """A few plain launches of the shipped kernels at 9B B=16 T=64, for ncu to read."""
+    from bole_tune.kernels import tree_commit, tree_verify
+
+    from bole_tune.workloads import make_inputs, make_tree
+
+    shape = load_model("qwen3.5-9b").gdn()
+    tree = make_tree([64] * 16, device="cuda")
+    x = make_inputs(tree, shape.hk, shape.hv, shape.dk, shape.dv, torch.bfloat16, "cuda")
+    accepted = torch.full((16,), 5, dtype=torch.int32, device="cuda")
+    for _ in range(4):
+        res = tree_verify(*x.args(tree), config=KernelConfig(64, 128, 8, 2), validate=False)
+        tree_commit(x.state, x.args(tree)[6], res, accepted, validate=False)
+    torch.cuda.synchronize()
+
+
+def make_two_stage(factor=None, stages="fv"):
+    """The shipped two-stage verifier with stage 1's launch overridden, or one stage alone (timing)."""
+    tv = load_module(EXPERIMENTS / "two_stage_tree_verify.py", "two_stage_tv")
+
+    def verify(q, k, v, g, beta, state, state_indices, tree, scale=None, use_qk_l2norm=True, config=None,
+               validate=False, out=None):
+        shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, False)
+        q2, sq_n, sq_h = token_head_strides(q)
+        k2, sk_n, sk_h = token_head_strides(k)
+        v2, sv_n, sv_h = token_head_strides(v)
+        res = result_buffers(shape, q.dtype, q.device, tree, out)
+        b_t = node_block(tree.max_tree_size)
+        block_depth, max_blocks = tree.block_depths(b_t)
+        f_b_k, f_warps, f_stages = factor or tv.factor_launch(b_t, shape.dk)
+        key = (shape.num_requests, max_blocks, shape.hv, b_t, shape.num_nodes, shape.hk)
+        if key not in SCRATCH:
+            SCRATCH[key] = (torch.empty((2, shape.num_requests, max_blocks, shape.hv, b_t, b_t), device=q.device),
+                            torch.empty((shape.num_nodes, shape.hk), device=q.device))
+        factors, q_scale = SCRATCH[key]
+        hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
+        if "f" in stages:
+            tv.tree_factor_kernel[(max_blocks, hv, shape.num_requests)](
+                q2, k2, g, beta, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+                factors[0], factors[1], res.log_decay, res.k, res.k_scale, q_scale,
+                shape.scale, max_blocks, hv, hk, sq_n, sq_h, sk_n, sk_h,
+                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+                D_K=dk, B_T=b_t, B_K=f_b_k, USE_QK_L2NORM=True, DOT_PRECISION=dot_precision(q.dtype),
+                GRAM_DTYPE=gram_dtype(q), num_warps=f_warps, num_stages=f_stages)
+        if "v" in stages:
+            tv.tree_value_kernel[(dv // config.b_v, hv, shape.num_requests)](
+                q2, k2, v2, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit,
+                factors[0], factors[1], res.log_decay, res.k_scale, q_scale, res.o, res.u,
+                max_blocks, hv, hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, beta.stride(0), beta.stride(1),
+                state.stride(0), state.stride(1), state.stride(2),
+                D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+                DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+                num_warps=config.num_warps, num_stages=config.num_stages)
+        return res
+    return verify
+
+
+SCRATCH = {}
+
+
+def time_commits(bench, rows):
+    """tree_commit's tile choices at one case (each request commits its deepest node)."""
+    from bole_tune.kernels import tree_commit, tree_verify
+
+    from bole_tune.timing import time_launches
+
+    tree, pool, inputs, slots = bench.sets(64)
+    results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False,
+                           config=KernelConfig(32, 64, 4, 2)) for i, x in enumerate(inputs)]
+    depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+    c = bench.case
+    accepted = torch.tensor([max(range(c.tree_size), key=lambda n: depths[offsets[r] + n]) for r in range(c.batch)],
+                            dtype=torch.int32, device=bench.device)
+    for b_k, b_v, warps in [(128, 32, 4), (128, 16, 4), (128, 16, 2), (64, 32, 4), (128, 64, 8), (128, 128, 8),
+                            (64, 64, 4), (32, 128, 4), (128, 8 * 2, 1), (64, 16, 2)]:
+        def launch(i, b_k=b_k, b_v=b_v, warps=warps):
+            tree_commit(pool, slots[i], results[i], accepted, validate=False, b_k=b_k, b_v=b_v, num_warps=warps)
+        try:
+            timing = time_launches(launch, len(inputs), bench.device, repeats=15)
+        except Exception as exc:  # noqa: BLE001
+            print("commit", b_k, b_v, warps, "failed", str(exc)[:120])
+            continue
+        rows.append({"kernel": "commit", "batch": c.batch, "tree": c.tree_size, "b_k": b_k, "b_v": b_v,
+                     "warps": warps, "p50_us": round(timing.p50_us, 2)})
+        print(f"commit B={c.batch} T={c.tree_size} {b_k}/{b_v}/{warps}: {timing.p50_us:.2f} us", flush=True)
+
+
+def ablation(out_path: str):
+    """Stage ablations of the shipped kernel at 9B shapes (B = 16, 1, 4; T = 64)."""
+    shape = load_model("qwen3.5-9b").gdn()
+    kernels = {name: load_variant(name, p) for name, p in PATCHES.items()}
+    variants = {name: make_verify(kern) for name, kern in kernels.items()}
+    variants["nochain"] = make_verify(kernels["base"], zero_depth=True)
+    variants["bt32"] = make_verify(kernels["base"], b_t_override=32)
+    variants["bt16"] = make_verify(kernels["base"], b_t_override=16)
+    configs = [KernelConfig(32, 128, 8, 3), KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 8, 3),
+               KernelConfig(16, 64, 2, 3), KernelConfig(32, 32, 4, 3), KernelConfig(32, 32, 8, 3)]
+    cases = [(16, 64), (1, 64), (4, 64)]
+    if "--smoke" in sys.argv:
+        from bole_tune.profiles import GDNShape
+        shape, configs, cases = GDNShape(2, 4, 32, 32), [KernelConfig(16, 16, 4, 1)], [(2, 40)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for batch, size in cases:
+        bench = CaseBench(BenchCase(shape, batch, size, torch.bfloat16), device=device)
+        for config in configs:
+            for name, verify in variants.items():
+                if name.startswith("bt") and int(name[2:]) >= node_block(size):
+                    continue
+                err = bench.error(verify, config) if name in ("base", "bt32", "bt16") else None
+                timing, _ = bench.time_verify(verify, config, repeats=15)
+                rows.append({"batch": batch, "tree": size, "config": label(config), "variant": name,
+                             "p50_us": round(timing.p50_us, 2), "rel_error": err})
+                print(f"B={batch:<3} T={size:<4} {label(config):<14} {name:<9} {timing.p50_us:8.2f} us"
+                      + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+    pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def main():
+    if sys.argv[1] == "--ncu":
+        return ncu_case()
+    if sys.argv[1] == "--ablation":
+        return ablation(sys.argv[2])
+    out_path = sys.argv[1]
+    shape = load_model("qwen3.5-9b").gdn()
+    old = load_fused()
+    variants = {"fused": old, "two": make_two_stage()}
+    for f in [(64, 2, 2), (64, 8, 2), (128, 4, 1), (64, 4, 1), (32, 4, 3)]:
+        variants[f"two-f{f[0]}-{f[1]}-{f[2]}"] = make_two_stage(factor=f)
+    variants["f-only"] = make_two_stage(stages="f")
+    variants["v-only"] = make_two_stage(stages="v")
+    configs = [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(64, 64, 4, 2),
+               KernelConfig(32, 64, 4, 2), KernelConfig(16, 64, 2, 3), KernelConfig(32, 32, 4, 3),
+               KernelConfig(32, 32, 2, 2), KernelConfig(64, 128, 4, 1), KernelConfig(128, 64, 4, 1),
+               KernelConfig(32, 128, 8, 3)]
+    cases = [(16, 64), (1, 64), (16, 16), (16, 128)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "--smoke" in sys.argv:  # the CPU interpreter, tiny shapes: proves the script runs
+        from bole_tune.profiles import GDNShape
+        shape, configs, cases = GDNShape(2, 4, 32, 32), [KernelConfig(16, 16, 4, 1)], [(2, 20)]
+        variants = {"fused": old, "two": make_two_stage(), "f-only": make_two_stage(stages="f"),
+                    "two-f": make_two_stage(factor=(32, 2, 1))}
+    rows = []
+    for batch, size in cases:
+        bench = CaseBench(BenchCase(shape, batch, size, torch.bfloat16), device=device)
+        for config in configs:
+            for name, verify in variants.items():
+                if name == "fused" and config != KernelConfig(32, 128, 8, 3) and "--smoke" not in sys.argv:
+                    continue
+                if name.startswith("two-f") and (batch, size) not in ((16, 64), (1, 64)) or \
+                        name.startswith("two-f") and config != configs[0]:
+                    continue
+                err = None if name.endswith("only") else bench.error(verify, config)
+                try:
+                    timing, _ = bench.time_verify(verify, config, repeats=15)
+                except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
+                    rows.append({"batch": batch, "tree": size, "config": label(config), "variant": name,
+                                 "error": str(exc)[:200]})
+                    print(f"B={batch:<3} T={size:<4} {label(config):<14} {name:<14} FAILED {str(exc)[:150]}")
+                    continue
+                rows.append({"batch": batch, "tree": size, "config": label(config), "variant": name,
+                             "p50_us": round(timing.p50_us, 2), "rel_error": err})
+                print(f"B={batch:<3} T={size:<4} {label(config):<14} {name:<14} {timing.p50_us:8.2f} us"
+                      + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+        if batch == 16 and size == 64 and "--smoke" not in sys.argv and "--commit" in sys.argv:
+            time_commits(bench, rows)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def load_fused():
+    """The shipped fused one-kernel verifier."""
+    return importlib.import_module("bole_tune.kernels.tree_verify").tree_verify
+
+
+def load_module(path: pathlib.Path, name: str):
+    text = path.read_text().replace("from .common import", "from bole_tune.kernels.common import")
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / f"{name}.py").write_text(text)
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if __name__ == "__main__":
+    main()
