@@ -1,10 +1,10 @@
 """Replay an exhaustive H200 recording through the tuner: how close, with how many trials?
 
-    python benchmarks/tuner_vs_exhaustive.py benchmarks/h200-2026-11-29/exhaustive-9b.json --trials 32 --seeds 10
+    python benchmarks/tuner_vs_exhaustive.py benchmarks/h200-2026-11-29/exhaustive-9b.json --trials 32 --seeds 30
 
 For every bucket in the recording: the exhaustive best p50, and for each sampler seed the best the
-Optuna tuner finds with at most --trials trials (default config first, as in a real run; no warm
-start from neighbours), the gap to the exhaustive best and the configs it measured.
+tuner finds with at most --trials trials (default config first, TPE, then the polish phase, as in a
+real run; no warm start from neighbours), the gap to the exhaustive best and the configs it measured.
 """
 
 import argparse

@@ -170,11 +170,70 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
         if len({tuple(sorted(t.params.items())) for t in finished}) < grid:
             study.optimize(objective, n_trials=grid, catch=())
     elif len(finished) < n_trials:
-        study.optimize(objective, n_trials=n_trials - len(finished), catch=(),
-                       callbacks=[optuna.study.MaxTrialsCallback(n_trials, states=FINISHED)])
+        def run_until(target: int) -> None:
+            done = len(study.get_trials(deepcopy=False, states=FINISHED))
+            if done < target and not lost:
+                study.optimize(objective, n_trials=target - done, catch=(),
+                               callbacks=[optuna.study.MaxTrialsCallback(target, states=FINISHED)])
+
+        # explore with the sampler, then polish: measure the untried one-step neighbours of the best
+        # config so far (TPE alone can stop one step short of the optimum in these small discrete spaces)
+        run_until(n_trials - polish_trials(n_trials))
+        while not lost:
+            done = len(study.get_trials(deepcopy=False, states=FINISHED))
+            if done >= n_trials:
+                break
+            tried = {config_text(KernelConfig(**t.params)) for t in study.get_trials(deepcopy=False)
+                     if set(t.params) == {"b_k", "b_v", "num_warps", "num_stages"}}
+            steps = []
+            for center in _ranked_configs(study):  # the best first; the runners-up once its neighbours are done
+                steps = [c for c in step_neighbours(center, space) if config_text(c) not in tried
+                         and feasible(c, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)[0]]
+                if steps:
+                    break
+            if not steps:
+                break
+            steps = steps[:n_trials - done]
+            for config in steps:
+                study.enqueue_trial(_params(config), skip_if_exists=True)
+            run_until(done + len(steps))
+        run_until(n_trials)
     if lost:
         raise DeviceLost(f"{lost[0]} (recorded in study {name}; run the same command again to resume)")
     return _result(study, key, name, default)
+
+
+POLISH_FRACTION = 0.25
+
+
+def polish_trials(n_trials: int) -> int:
+    """Trials kept for the local search around the sampler's best configs."""
+    return int(n_trials * POLISH_FRACTION) if n_trials >= 8 else 0
+
+
+def _ranked_configs(study) -> list[KernelConfig]:
+    """Configs measured correct in the study, fastest first."""
+    ranked = {}
+    for t in study.get_trials(deepcopy=False, states=FINISHED):
+        m = _measurement_of(t)
+        if m is not None and m.status == "ok":
+            ranked[config_text(KernelConfig(**t.params))] = (m.p50_us, KernelConfig(**t.params))
+    return [c for _, c in sorted(ranked.values(), key=lambda x: x[0])]
+
+
+def step_neighbours(config: KernelConfig, space: SearchSpace) -> list[KernelConfig]:
+    """Configs one step away in one parameter (the next smaller or larger value of the space)."""
+    found = []
+    values = _params(config)
+    for name, choices in zip(values, _space_lists(space)):
+        choices = sorted(choices)
+        if values[name] not in choices:
+            continue
+        i = choices.index(values[name])
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(choices):
+                found.append(KernelConfig(**{**values, name: choices[j]}))
+    return found
 
 
 def best_config_of(storage, slug: str, key: ShapeKey) -> KernelConfig | None:

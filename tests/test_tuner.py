@@ -10,7 +10,7 @@ from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
 from bole_tune.runners import DeviceLost, Measurement, RecordingRunner, ReplayRunner, config_text
 from bole_tune.search_space import SearchSpace, feasible
-from bole_tune.tuner import exhaustive_bucket, tune_bucket
+from bole_tune.tuner import exhaustive_bucket, polish_trials, step_neighbours, tune_bucket
 
 KEY = ShapeKey(32, 16, 128, 128, "bf16", 64, 16)
 SPACE = SearchSpace.load()
@@ -51,6 +51,37 @@ def test_tuner_finds_the_best_region_with_few_trials(tmp_path):
     assert result.counts["measured"] <= n_trials
     assert runner.calls == result.counts["measured"], "a config was measured twice"
     assert result.default == KernelConfig(64, 32, 4, 2) and result.default_measurement.status == "ok"
+
+
+def test_step_neighbours_change_one_parameter_by_one_step():
+    found = step_neighbours(KernelConfig(32, 64, 4, 2), SPACE)
+    assert set(found) == {KernelConfig(16, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(32, 32, 4, 2),
+                          KernelConfig(32, 128, 4, 2), KernelConfig(32, 64, 2, 2), KernelConfig(32, 64, 8, 2),
+                          KernelConfig(32, 64, 4, 1), KernelConfig(32, 64, 4, 3)}
+    # at the edge of the space only the inner side exists
+    assert KernelConfig(16, 16, 2, 1) not in step_neighbours(KernelConfig(16, 16, 2, 1), SPACE)
+    assert len(step_neighbours(KernelConfig(16, 16, 2, 1), SPACE)) == 4
+
+
+def test_polish_phase_walks_from_the_samplers_best_to_its_best_neighbour(tmp_path):
+    """A sampler stuck on the default config: only the polish phase measures anything new."""
+    measured_texts = []
+
+    class Logged(ReplayRunner):
+        def measure(self, key, config):
+            measured_texts.append(config_text(config))
+            return super().measure(key, config)
+
+    runner = Logged(write_recording(tmp_path / "rec.json"))
+    default = KernelConfig(64, 32, 4, 2)
+    stuck = optuna.samplers.PartialFixedSampler(
+        {"b_k": 64, "b_v": 32, "num_warps": 4, "num_stages": 2}, optuna.samplers.RandomSampler(seed=0))
+    result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 32, "replay-gpu", sampler=stuck)
+    neighbours = [c for c in step_neighbours(default, SPACE) if feasible(c, 128, 128, 64, "bf16")[0]]
+    # the default, then its 7 neighbours, then the walk goes on from the best of them with what is left
+    assert result.counts["measured"] == 1 + polish_trials(32) == 9
+    assert {config_text(c) for c in neighbours} <= set(measured_texts)
+    assert synthetic_cost(result.best) <= min(synthetic_cost(c) for c in neighbours) < synthetic_cost(default)
 
 
 def test_wrong_and_infeasible_configs_are_never_chosen(tmp_path):
