@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import optuna
 import pytest
@@ -74,8 +75,10 @@ def test_polish_phase_walks_from_the_samplers_best_to_its_best_neighbour(tmp_pat
 
     runner = Logged(write_recording(tmp_path / "rec.json"))
     default = KernelConfig(64, 32, 4, 2)
-    stuck = optuna.samplers.PartialFixedSampler(
-        {"b_k": 64, "b_v": 32, "num_warps": 4, "num_stages": 2}, optuna.samplers.RandomSampler(seed=0))
+    with warnings.catch_warnings():  # PartialFixedSampler is marked experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        stuck = optuna.samplers.PartialFixedSampler(
+            {"b_k": 64, "b_v": 32, "num_warps": 4, "num_stages": 2}, optuna.samplers.RandomSampler(seed=0))
     result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 32, "replay-gpu", sampler=stuck)
     neighbours = [c for c in step_neighbours(default, SPACE) if feasible(c, 128, 128, 64, "bf16")[0]]
     # the default, then its 7 neighbours, then the walk goes on from the best of them with what is left
