@@ -496,19 +496,28 @@ def cmd_show(args) -> int:
         return 0
     device = data.get("device", {})
     console.print(f"[bold]{path}[/] — {device.get('name', '?')} (schema {data['schema_version']})")
-    table = Table(title="tuned configs")
-    for column in ("bucket", "config", "p50 us", "p20-p80", "default us", "speedup", "trials", "triton", "date"):
-        table.add_column(column)
-    for name, e in sorted(data["configs"].items(), key=lambda kv: database.ShapeKey.from_dict(kv[1]["key"])):
-        c, lat = e["config"], e["latency_us"]
+    table = Table(title="tuned configs (T: tree-size bucket, B: batch bucket; config: b_k/b_v/warps/stages)")
+    for column, width in (("shape", 19), ("T", 3), ("B", 2), ("config", 11), ("p50 us", 6), ("p20-p80", 11),
+                          ("default us", 6), ("speedup", 5), ("measured", 3)):
+        table.add_column(column, min_width=width, no_wrap=True,
+                         justify="left" if column in ("shape", "config", "p20-p80") else "right")
+    versions, dates = set(), set()
+    for _, e in sorted(data["configs"].items(), key=lambda kv: database.ShapeKey.from_dict(kv[1]["key"])):
+        c, lat, k = e["config"], e["latency_us"], e["key"]
         prov = e["provenance"]
-        table.add_row(name, f"{c['b_k']}/{c['b_v']}/{c['num_warps']}w/{c['num_stages']}s", f"{lat['p50']:.1f}",
+        versions.add(str(prov.get("triton", "?")))
+        dates.add(str(prov.get("date", "?"))[:10])
+        shape = f"Hv{k['hv']} Hk{k['hk']} {k['dk']}/{k['dv']} {k['dtype']}" + (f" TP{k['tp']}" if k.get("tp", 1) != 1 else "")
+        table.add_row(shape, str(k["tree_bucket"]), str(k["batch_bucket"]),
+                      f"{c['b_k']}/{c['b_v']}/{c['num_warps']}/{c['num_stages']}", f"{lat['p50']:.1f}",
                       f"{lat['p20']:.1f}-{lat['p80']:.1f}",
                       f"{e['default_latency_us']['p50']:.1f}" if "default_latency_us" in e else "-",
                       f"{e['speedup_vs_default']:.2f}x" if "speedup_vs_default" in e else "-",
-                      str(e.get("trials", {}).get("measured", "")), str(prov.get("triton", "")),
-                      str(prov.get("date", ""))[:10])
+                      str(e.get("trials", {}).get("measured", "")))
     console.print(table)
+    if data["configs"]:
+        console.print(f"triton {', '.join(sorted(versions))}; measured {', '.join(sorted(dates))} "
+                      "(full provenance: --json)")
     for name, curve in data["curves"].items():
         points = curve["points"]
         summary = ", ".join(f"B{p['batch']}/T{p['tree_size']}: {p['p50']:.1f}" for p in points[:8])

@@ -1,6 +1,7 @@
 """The command line, run the way a user runs it: a subprocess, its output and exit status."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -64,7 +65,10 @@ def test_tune_replay_then_show_and_lookup(tmp_path):
     data = database.load(db_dir / "replay-gpu.yaml")
     assert data["configs"][KEY.text]["trials"]["measured"] <= 20
     shown = run("show", "--gpu", "replay-gpu", "--db-dir", str(db_dir))
-    assert shown.returncode == 0 and KEY.text in shown.stdout
+    best = data["configs"][KEY.text]["config"]
+    row = re.compile(r"Hv32 Hk16 128/128 bf16\s*│\s*64\s*│\s*16\s*│\s*"
+                     + "/".join(str(best[f]) for f in ("b_k", "b_v", "num_warps", "num_stages")))
+    assert shown.returncode == 0 and row.search(shown.stdout), shown.stdout
     looked = run("lookup", "--gpu", "replay-gpu", "--hv", "32", "--hk", "16", "--dk", "128", "--dv", "128",
                  "--tree-size", "100", "--batch", "16", "--json", "--db-dir", str(db_dir))
     decision = json.loads(looked.stdout)
