@@ -16,6 +16,7 @@ Results of the 2026-11-29 runs: benchmarks/experiments/*.json.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import pathlib
@@ -58,26 +59,25 @@ PATCHES = {
 
 
 def load_variant(name: str, patches):
-    text = SRC.read_text().replace("from .common import", "from bole_tune.kernels.common import")
+    text = SRC.read_text()
     for old, new in patches:
         assert old in text, (name, old)
         text = text.replace(old, new)
-    path = pathlib.Path(tempfile.mkdtemp()) / f"tv_{name}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(f"tv_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tree_verify_fwd_kernel
+    return load_module(text, f"tv_{name}").tree_verify_fwd_kernel
+
+
+def prepare(q, k, v, g, beta, state, state_indices, tree, scale, out):
+    """What every lab wrapper does before its launch: checks, last-dim-contiguous inputs, result buffers."""
+    shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, False)
+    q, k, v = (token_head_strides(x) for x in (q, k, v))
+    return shape, q, k, v, result_buffers(shape, q[0].dtype, q[0].device, tree, out)
 
 
 def make_verify(kernel, b_t_override=None, zero_depth=False):
     def verify(q, k, v, g, beta, state, state_indices, tree, scale=None, use_qk_l2norm=True, config=None,
                validate=False, out=None):
-        shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, False)
-        q2, sq_n, sq_h = token_head_strides(q)
-        k2, sk_n, sk_h = token_head_strides(k)
-        v2, sv_n, sv_h = token_head_strides(v)
-        res = result_buffers(shape, q.dtype, q.device, tree, out)
+        shape, (q2, sq_n, sq_h), (k2, sk_n, sk_h), (v2, sv_n, sv_h), res = prepare(
+            q, k, v, g, beta, state, state_indices, tree, scale, out)
         b_t = b_t_override or node_block(tree.max_tree_size)
         block_depth, max_blocks = tree.block_depths(b_t)
         if zero_depth:
@@ -117,17 +117,19 @@ def ncu_case():
     torch.cuda.synchronize()
 
 
+@functools.cache
+def two_stage_module():
+    return load_module((EXPERIMENTS / "two_stage_tree_verify.py").read_text(), "two_stage_tv")
+
+
 def make_two_stage(factor=None, stages="fv"):
-    """The shipped two-stage verifier with stage 1's launch overridden, or one stage alone (timing)."""
-    tv = load_module(EXPERIMENTS / "two_stage_tree_verify.py", "two_stage_tv")
+    """The two-stage experiment's verifier, stage 1's launch overridden, or one stage alone (timing)."""
+    tv = two_stage_module()
 
     def verify(q, k, v, g, beta, state, state_indices, tree, scale=None, use_qk_l2norm=True, config=None,
                validate=False, out=None):
-        shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, False)
-        q2, sq_n, sq_h = token_head_strides(q)
-        k2, sk_n, sk_h = token_head_strides(k)
-        v2, sv_n, sv_h = token_head_strides(v)
-        res = result_buffers(shape, q.dtype, q.device, tree, out)
+        shape, (q2, sq_n, sq_h), (k2, sk_n, sk_h), (v2, sv_n, sv_h), res = prepare(
+            q, k, v, g, beta, state, state_indices, tree, scale, out)
         b_t = node_block(tree.max_tree_size)
         block_depth, max_blocks = tree.block_depths(b_t)
         f_b_k, f_warps, f_stages = factor or tv.factor_launch(b_t, shape.dk)
@@ -275,11 +277,12 @@ def load_fused():
     return importlib.import_module("bole_tune.kernels.tree_verify").tree_verify
 
 
-def load_module(path: pathlib.Path, name: str):
-    text = path.read_text().replace("from .common import", "from bole_tune.kernels.common import")
-    folder = pathlib.Path(tempfile.mkdtemp())
-    (folder / f"{name}.py").write_text(text)
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+def load_module(source: str, name: str):
+    """Import kernel source text as a module (Triton reads a jitted function's source from its file)."""
+    text = source.replace("from .common import", "from bole_tune.kernels.common import")
+    path = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
