@@ -23,12 +23,28 @@ def _pyplot():
 
 
 def _save(fig, out: Path, stem: str) -> list[Path]:
+    """Write the figure as PNG and SVG, then release it."""
     files = []
     for suffix in ("png", "svg"):
         path = out / f"{stem}.{suffix}"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         files.append(path)
+    _pyplot().close(fig)
     return files
+
+
+def _panels(plt, count: int):
+    """One row of ``count`` panels."""
+    fig, axes = plt.subplots(1, count, figsize=(5 * count, 4), squeeze=False)
+    return fig, axes[0]
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
 
 
 def write_report(data: dict, out) -> list[Path]:
@@ -44,8 +60,8 @@ def write_report(data: dict, out) -> list[Path]:
     files = []
     device = data.get("device", {}).get("name", "")
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
-    for ax, (name, curve) in zip(axes[0], curves.items()):
+    fig, axes = _panels(plt, len(curves))
+    for ax, curve in zip(axes, curves.values()):
         by_batch = StepCurve(curve["points"]).by_batch
         for batch, pts in sorted(by_batch.items()):
             tokens = [p["tokens"] for p in pts]
@@ -53,18 +69,14 @@ def write_report(data: dict, out) -> list[Path]:
             line, = ax.plot(tokens, steps, marker="o", label=f"B={batch}")
             free = [t for t, s in zip(tokens, steps) if s <= NEAR_FREE * steps[0]]
             ax.axvspan(tokens[0], max(free), color=line.get_color(), alpha=0.08)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("verified tokens per step (all requests)")
-        ax.set_ylabel("step latency (ms)")
-        ax.set_title(f"{curve['model']} on {device}\n(shaded: within 10% of plain decoding)")
-        ax.legend(fontsize=8)
+        _finish(ax, "verified tokens per step (all requests)", "step latency (ms)",
+                f"{curve['model']} on {device}\n(shaded: within 10% of plain decoding)")
     files += _save(fig, out, "step_latency")
-    plt.close(fig)
 
     budgets = data.get("budgets", {})
     if budgets:
-        fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4), squeeze=False)
-        for ax, (name, budget) in zip(axes[0], budgets.items()):
+        fig, axes = _panels(plt, len(budgets))
+        for ax, (name, budget) in zip(axes, budgets.items()):
             a = budget["acceptance"]
             model = AcceptanceModel(a["name"], tuple(a["depth_acceptance"]), tuple(a["rank_share"]))
             plan = plan_budgets(model, StepCurve(curves[budget["step_curve"]]["points"]))
@@ -74,18 +86,14 @@ def write_report(data: dict, out) -> list[Path]:
                 chosen = info["choice"]
                 ax.plot([chosen.nodes_per_request], [chosen.tokens_per_second / 1000], marker="*", markersize=12,
                         color=line.get_color())
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("verified tokens per request (tree budget)")
-            ax.set_ylabel("expected tokens/s (thousands)")
-            ax.set_title(f"{name}: chosen budget (star)\nacceptance model {a['name']}")
-            ax.legend(fontsize=8)
+            _finish(ax, "verified tokens per request (tree budget)", "expected tokens/s (thousands)",
+                    f"{name}: chosen budget (star)\nacceptance {a['name']}")
         files += _save(fig, out, "budget")
-        plt.close(fig)
 
     serial = {n: c for n, c in curves.items() if any("step_serial_us" in p for p in c["points"])}
     if serial:
-        fig, axes = plt.subplots(1, len(serial), figsize=(5 * len(serial), 4), squeeze=False)
-        for ax, (name, curve) in zip(axes[0], serial.items()):
+        fig, axes = _panels(plt, len(serial))
+        for ax, curve in zip(axes, serial.values()):
             for batch, pts in sorted(StepCurve(curve["points"]).by_batch.items()):
                 pts = [p for p in pts if "step_serial_us" in p]
                 if not pts:
@@ -94,11 +102,7 @@ def write_report(data: dict, out) -> list[Path]:
                 line, = ax.plot(tokens, [p["step_us"] / 1000 for p in pts], marker="o", label=f"tree_verify B={batch}")
                 ax.plot(tokens, [p["step_serial_us"] / 1000 for p in pts], linestyle="--", color=line.get_color(),
                         label=f"serial_verify B={batch}")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("verified tokens per step")
-            ax.set_ylabel("step latency (ms)")
-            ax.set_title(f"{curve['model']}\nGDN layers: tree (solid), serial (dashed)")
-            ax.legend(fontsize=7)
+            _finish(ax, "verified tokens per step", "step latency (ms)",
+                    f"{curve['model']}\nGDN layers: tree (solid), serial (dashed)", legend_size=7)
         files += _save(fig, out, "tree_vs_serial")
-        plt.close(fig)
     return files
