@@ -118,7 +118,8 @@ def _bench_table(rows) -> Table:
     for r in rows:
         key = (r["label"], r["hv"], r["batch"], r["tree_size"])
         speedup = f"{serial[key] / r['p50_us']:.1f}x" if r["kernel"] == "tree_verify" and key in serial else ""
-        table.add_row(r["label"], str(r["hv"]), str(r["batch"]), str(r["tree_size"]), r["kernel"],
+        kernel = f"{r['kernel']} ({r['variant']})" if "variant" in r else r["kernel"]
+        table.add_row(r["label"], str(r["hv"]), str(r["batch"]), str(r["tree_size"]), kernel,
                       f"{r['p50_us']:.1f}", f"{r['p20_us']:.1f}-{r['p80_us']:.1f}", f"{r['floor_us']:.1f}",
                       f"{r['floor_fraction']:.0%}", speedup)
     return table

@@ -22,6 +22,14 @@ from bole_tune.workloads import make_inputs, make_tree, relative_error
 
 COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (../shared/DESIGN.md §6)
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def accepted_error(dtype: torch.dtype) -> float:
+    """The relative error a config may show on the reference instance to be timed and recorded: half
+    the contract's bound. Right configs land near 2e-3 with 16-bit inputs, while a Triton miscompile
+    seen on the H200 came out at 1.3e-2 on one instance and under 1e-2 on another; the tuner must not
+    record a config on a lucky instance."""
+    return TOLERANCE[dtype] / 2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 CHECK_BATCH = 2  # requests in the reference instance: the kernels do not depend on the batch size
@@ -82,6 +90,31 @@ class CaseBench:
         self._reference = None
         self._sets = {}
 
+    def launch_kwargs(self, verify, config: KernelConfig | None, variant: str | None = None) -> dict:
+        """Keyword arguments that make ``verify`` run this case's kernel and config.
+
+        For `tree_verify` the config (``None``: the database's for this case) and the kernel variant
+        are resolved for the full case and passed explicitly, so the reference check, which runs on a
+        smaller batch, checks exactly the kernel and config that are timed.
+        """
+        from bole_tune.kernels import tree_verify
+
+        if verify is not tree_verify:
+            return {"config": config} if config is not None else {}
+        config, variant = self.launch(config, variant)
+        return {"config": config, "variant": variant}
+
+    def launch(self, config: KernelConfig | None = None, variant: str | None = None) -> tuple[KernelConfig, str]:
+        """(config, kernel variant) `tree_verify` runs for this case; ``None``: as tree_verify decides."""
+        from bole_tune.kernels.common import VerifyShape
+        from bole_tune.kernels.tree_verify import resolve_launch
+
+        c = self.case
+        tree, pool, _, _ = self.sets(64)
+        shape = VerifyShape(tree.num_nodes, c.batch, pool.shape[0], c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv,
+                            c.shape.dk ** -0.5)
+        return resolve_launch(shape, c.dtype, tree, self.device, config, variant)
+
     # correctness ------------------------------------------------------------------------------
     def reference(self):
         if self._reference is None:
@@ -95,18 +128,19 @@ class CaseBench:
             self._reference = (tree, x, verify_reference(*x.args(tree), keep_states=False))
         return self._reference
 
-    def error(self, verify, config: KernelConfig | None = None) -> float:
+    def error(self, verify, config: KernelConfig | None = None, variant: str | None = None) -> float:
         """Relative error of ``verify`` (with ``config``, if it takes one) on the reference instance."""
         tree, x, ref = self.reference()
-        kwargs = {"config": config} if config is not None else {}
-        res = verify(*x.args(tree), validate=False, **kwargs)
+        res = verify(*x.args(tree), validate=False, **self.launch_kwargs(verify, config, variant))
         return relative_error(res.o, ref.o)
 
-    def check(self, verify, config: KernelConfig | None = None) -> float:
-        error = self.error(verify, config)
-        if not error <= TOLERANCE[self.case.dtype]:
+    def check(self, verify, config: KernelConfig | None = None, variant: str | None = None) -> float:
+        """Relative error on the reference instance; `WrongResult` above `accepted_error`."""
+        error = self.error(verify, config, variant)
+        bound = accepted_error(self.case.dtype)
+        if not error <= bound:
             raise WrongResult(f"{getattr(verify, '__name__', verify)} with {config} is wrong on {self.case}: "
-                              f"relative error {error:.2e} > {TOLERANCE[self.case.dtype]:.0e}")
+                              f"relative error {error:.2e} > {bound:.0e}")
         return error
 
     # timing -----------------------------------------------------------------------------------
@@ -127,9 +161,9 @@ class CaseBench:
         return self._sets[num_sets]
 
     def time_verify(self, verify, config: KernelConfig | None = None, repeats: int = 50,
-                    most_sets: int = 64, eager: bool = False) -> tuple[Timing, float | None]:
+                    most_sets: int = 64, eager: bool = False, variant: str | None = None) -> tuple[Timing, float | None]:
         tree, pool, inputs, slots = self.sets(most_sets)
-        kwargs = {"config": config} if config is not None else {}
+        kwargs = self.launch_kwargs(verify, config, variant)
 
         def launch(i):
             x = inputs[i]
@@ -170,20 +204,14 @@ def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig
     row = _row("tree_verify" if impl == "bole" else "serial_verify", case, timing, device)
     row["rel_error"] = error
     if impl == "bole":
-        row["config"] = (config or _launched_config(bench)).as_dict()
+        launched, variant = bench.launch(config)
+        row["config"], row["variant"] = launched.as_dict(), variant
     if host is not None:
         row["eager_host_us"] = round(host, 2)
     return row
 
 
-def _launched_config(bench: CaseBench) -> KernelConfig:
-    from bole_tune.kernels.common import VerifyShape
-    from bole_tune.lookup import config_for
 
-    c = bench.case
-    tree, pool, _, _ = bench.sets(64)
-    shape = VerifyShape(tree.num_nodes, c.batch, pool.shape[0], c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, 1.0)
-    return config_for(shape, c.dtype, tree, bench.device)
 
 
 def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseBench | None = None) -> dict:

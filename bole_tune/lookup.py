@@ -40,6 +40,7 @@ class Decision:
     key: ShapeKey
     source: str = ""  # the database entry used
     latency_us: float | None = None
+    kernel: str | None = None  # the tree_verify variant the config was tuned on (None: not tuned)
 
 
 def policy() -> str:
@@ -108,8 +109,9 @@ def _bucket_of(entry: dict) -> tuple:
 
 
 def _from_entry(entry: dict, key: ShapeKey, how: str, reason: str) -> Decision:
+    # entries written before the resident kernel existed were all tuned on the fused one
     return Decision(KernelConfig(**entry["config"]), how, reason, key, source=entry.get("_source", ""),
-                    latency_us=entry["latency_us"]["p50"])
+                    latency_us=entry["latency_us"]["p50"], kernel=entry.get("kernel", "fused"))
 
 
 _cache: dict = {}
@@ -136,12 +138,18 @@ def _device_slug(device: torch.device) -> str:
 
 def config_for(shape, dtype: torch.dtype, tree, device: torch.device, tp: int = 1) -> KernelConfig:
     """The configuration `tree_verify(config=None)` launches with (cached per device and bucket)."""
+    return launch_for(shape, dtype, tree, device, tp)[0]
+
+
+def launch_for(shape, dtype: torch.dtype, tree, device: torch.device, tp: int = 1) -> tuple[KernelConfig, str | None]:
+    """(config, kernel variant it was tuned on, or None without a tuned entry), cached per bucket."""
     cache_key = (device.index, shape.hv, shape.hk, shape.dk, shape.dv, dtype, tree.max_tree_size,
                  tree.num_requests, tp)
-    config = _cache.get(cache_key)
-    if config is not None:
-        return config
+    launch = _cache.get(cache_key)
+    if launch is not None:
+        return launch
     mode = policy()
+    kernel = None
     if device.type != "cuda":
         config = default_config(shape.dk, shape.dv)
     else:
@@ -155,9 +163,9 @@ def config_for(shape, dtype: torch.dtype, tree, device: torch.device, tp: int = 
                 raise
             decision = Decision(default_config(shape.dk, shape.dv), "default", f"unreadable database: {error}", key)
         _warn_once(decision, slug)
-        config = decision.config
-    _cache[cache_key] = config
-    return config
+        config, kernel = decision.config, decision.kernel
+    _cache[cache_key] = (config, kernel)
+    return config, kernel
 
 
 def _warn_once(decision: Decision, slug: str) -> None:

@@ -2,8 +2,8 @@
 
 Tuning on a GPU is dominated by compile time (each config is its own kernel), not by timing. Worker
 processes compile candidates in parallel by running tree_verify once on a one-request instance with
-exactly the launch's specialisation (same head sizes, dtype and node block); the tuner's own launches
-then load the cached binaries. Failures are ignored here: the tuner meets them again and records them.
+exactly the launch's specialisation (same kernel variant, head sizes, dtype and node block); the
+tuner's own launches then load the cached binaries. Failures are ignored here: the tuner meets them again and records them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
 
 
-def _compile(key_dict: dict, configs: list[tuple]) -> int:
+def _compile(key_dict: dict, configs: list[tuple], variant: str = "fused") -> int:
     import torch
 
     from bole_tune.bench import DTYPES
@@ -29,7 +29,7 @@ def _compile(key_dict: dict, configs: list[tuple]) -> int:
     done = 0
     for values in configs:
         try:
-            tree_verify(*x.args(tree), config=KernelConfig(*values), validate=False)
+            tree_verify(*x.args(tree), config=KernelConfig(*values), validate=False, variant=variant)
             torch.cuda.synchronize()
             done += 1
         except Exception:  # recorded by the tuner when it meets the config
@@ -45,16 +45,18 @@ def precompile(keys: list[ShapeKey], configs: list[KernelConfig], workers: int |
     if not torch.cuda.is_available() or not configs:
         return 0
     from bole_tune.config import node_block
+    from bole_tune.kernels.tree_verify import pick_variant
 
     distinct = {}
-    for key in keys:  # the kernel is specialised on head sizes, dtype and node block, not on batch or heads
-        distinct.setdefault((key.dk, key.dv, key.dtype, node_block(key.tree_bucket)), key)
+    for key in keys:  # kernels are specialised on head sizes, dtype and node block, not on batch or heads
+        variant = pick_variant(key.batch_bucket, key.hv, key.tree_bucket)
+        distinct.setdefault((variant, key.dk, key.dv, key.dtype, node_block(key.tree_bucket)), (key, variant))
     workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
     tasks = []
-    for key in distinct.values():
+    for key, variant in distinct.values():
         values = [(c.b_k, c.b_v, c.num_warps, c.num_stages) for c in configs if c.fits(key.dk, key.dv)]
         chunk = max(1, -(-len(values) // workers))
-        tasks += [(key.as_dict(), values[i:i + chunk]) for i in range(0, len(values), chunk)]
+        tasks += [(key.as_dict(), values[i:i + chunk], variant) for i in range(0, len(values), chunk)]
     compiled = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(_compile, *task) for task in tasks]

@@ -78,7 +78,11 @@ def _latency(m: Measurement) -> dict:
 
 def config_entry(result: TuneResult, fp) -> dict:
     best, m = result.best, result.best_measurement
-    entry = {"key": result.key.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
+    from bole_tune.kernels.tree_verify import pick_variant
+
+    k = result.key
+    entry = {"key": k.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
+             "kernel": pick_variant(k.batch_bucket, k.hv, k.tree_bucket),
              "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
     if result.default_measurement and result.default_measurement.status == "ok":
         entry["default_config"] = result.default.as_dict()
@@ -188,16 +192,18 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                            plan.tp)
             measured = {}
             if on_gpu:
-                tuned = decide(key, fp.slug, "nearest", entries=entries).config
+                decision = decide(key, fp.slug, "nearest", entries=entries)
                 fallback = default_config(shape.dk, shape.dv)
-                for name, verify, config in (("tree_verify_tuned", tree_verify, tuned),
-                                             ("tree_verify_default", tree_verify, fallback),
-                                             ("serial_verify", serial_verify, None)):
+                # the tuned point runs the kernel its config was tuned on, as tree_verify(config=None) does
+                tuned_on = decision.kernel if decision.kernel == "fused" or size <= 64 else None
+                for name, verify, config, variant in (("tree_verify_tuned", tree_verify, decision.config, tuned_on),
+                                                      ("tree_verify_default", tree_verify, fallback, None),
+                                                      ("serial_verify", serial_verify, None, None)):
                     if name not in kernels:
                         continue
-                    error = bench.check(verify, config)
+                    error = bench.check(verify, config, variant)
                     timing, _ = bench.time_verify(verify, config, plan.repeats,
-                                                  most_sets=2 if verify is serial_verify else 64)
+                                                  most_sets=2 if verify is serial_verify else 64, variant=variant)
                     measured[name] = (timing, error, config)
                 measured["tree_commit"] = (bench.time_commit(plan.repeats), None, None)
             else:

@@ -1,10 +1,13 @@
 """Commit of the accepted path: one launch writes every request's new state into its slot.
 
 ``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (../shared/DESIGN.md §2): each
-program owns one ``[b_v, b_k]`` tile of one head's slot, reads it once and writes it once. The path
-to the accepted node ``a`` holds the nodes whose depth-first interval contains ``a``, one per depth;
-the kernel gathers them 16 at a time by depth (no walk up the parents, no chain of dependent loads),
-so the sum is a dot product over the path alone, not over the whole tree.
+program owns ``v_span`` rows (by default all of them) and ``b_k`` columns of one head's slot and
+streams them in ``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in
+flight. The path to the accepted node ``a`` holds the nodes whose depth-first interval contains
+``a``, one per depth; the program gathers them 16 at a time by depth (no walk up the parents), once
+for its whole span, so the sum is a dot product over the path alone, not over the whole tree.
+On the H200 (9B, B=16) the default 128/16/2 warps/span 128/3 stages took 28.3 us against 41.7 us for
+one 32-row tile per program (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -26,28 +29,25 @@ def tree_commit_kernel(
     stride_s_slot, stride_s_h, stride_s_v,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, B_P: tl.constexpr,
+    B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_r = tl.program_id(2).to(tl.int64)
     i_hk = i_h // (H_V // H_K)
-    i_v = i_tile // (D_K // B_K)
+    i_span = i_tile // (D_K // B_K)
     i_k = i_tile % (D_K // B_K)
     accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
     if accepted >= 0:
         bos = tl.load(offsets_ptr + i_r).to(tl.int64)
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        o_v = i_v * B_V + tl.arange(0, B_V)
         o_k = i_k * B_K + tl.arange(0, B_K)
-        # issue the state tile's load first: its latency hides behind the path search
-        p_s = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
-        b_s = tl.load(p_s)
+        p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
         enter_a = tl.load(dfs_enter_ptr + bos + accepted)
         depth_a = tl.load(node_depth_ptr + bos + accepted)
         logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
-        b_update = tl.zeros([B_V, B_K], dtype=tl.float32)
-        # the path holds one node per depth 0..depth_a: gather B_P of them at a time
+        # the path holds one node per depth 0..depth_a: gather B_P of them at a time (one gather for
+        # the drafters' trees of depth < B_P), then stream this program's V_SPAN rows of the state
         for i_p in range(0, depth_a // B_P + 1):
             o_p = i_p * B_P + tl.arange(0, B_P)
             node = tl.zeros([B_P], dtype=tl.int64)
@@ -65,16 +65,23 @@ def tree_commit_kernel(
             logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
             scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
             weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
-            b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                          mask=m_p[:, None], other=0)
             b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
                           mask=m_p[:, None], other=0).to(tl.float32)
-            b_update = tl.dot(tl.trans(b_u * weight[:, None]), b_k, b_update, input_precision="ieee")
-        tl.store(p_s, tl.exp(logp_a) * b_s + b_update)
+            # the first pass decays S_pre; later passes (paths deeper than B_P) add to what it wrote
+            decay = tl.where(i_p == 0, tl.exp(logp_a), 1.0)
+            for i_c in range(0, V_SPAN // B_V):
+                o_c = i_c * B_V + tl.arange(0, B_V)
+                o_v = i_span * V_SPAN + o_c
+                b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+                b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                              mask=m_p[:, None], other=0)
+                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
+                tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
+            tl.debug_barrier()
 
 
 def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate: bool | None = None,
-                b_k: int = 128, b_v: int = 32, num_warps: int = 4) -> None:
+                b_k: int = 128, b_v: int = 16, num_warps: int = 2, v_span: int = 128, num_stages: int = 3) -> None:
     """Write in place, for each request, the state the recurrence reaches at its accepted node.
 
     Args:
@@ -82,6 +89,8 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
         state_indices: ``[B]`` slot of each request.
         res: the `TreeVerifyResult` of `tree_verify` or `serial_verify`.
         accepted: ``[B]`` int, local index of each request's last accepted node; -1 leaves its slot as is.
+        b_k, b_v, num_warps, v_span, num_stages: the launch (columns and rows per tile, rows per
+            program); clipped to dk and dv.
     """
     check_commit_inputs(state, state_indices, res, accepted, validate)
     if not use_triton(state.device):
@@ -91,12 +100,17 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
     _, hv, dv = res.u.shape
     hk, dk = res.k.shape[1:]
     b_k, b_v = min(b_k, dk), min(b_v, dv)
+    v_span = max(b_v, min(v_span, dv))
+    for name, value, full in (("b_k", b_k, dk), ("b_v", b_v, v_span), ("v_span", v_span, dv), ("num_stages", num_stages, 8)):
+        if not isinstance(value, int) or value < 1 or (name != "num_stages" and (value & (value - 1) or full % value)):
+            raise ValueError(f"{name}={value!r}: expected a power of two dividing {full}" if name != "num_stages"
+                             else f"num_stages={value!r}: expected a positive integer")
     tree = res.tree
-    grid = ((dv // b_v) * (dk // b_k), hv, tree.num_requests)
+    grid = ((dv // v_span) * (dk // b_k), hv, tree.num_requests)
     tree_commit_kernel[grid](
         state, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
         res.u, res.log_decay, res.k, res.k_scale,
         state.stride(0), state.stride(1), state.stride(2),
-        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, B_P=16,
-        num_warps=num_warps,
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, V_SPAN=v_span, B_P=16,
+        num_warps=num_warps, num_stages=num_stages,
     )

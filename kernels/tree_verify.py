@@ -1,8 +1,12 @@
 """The Bole verifier: every node of a proposal tree through one GDN layer, in parallel.
 
-Theorem 1 of the seed (../shared/DESIGN.md §2), fused into one kernel (factor construction and the
-value-tiled solve share registers; nothing T x T touches device memory). One program per
-(value tile, value head, request) walks its request's nodes in blocks of ``B_T`` rows:
+Two kernels compute Theorem 1 of the seed (../shared/DESIGN.md §2); `pick_variant` chooses per batch:
+the resident kernel (`tree_verify_resident.py`, trees of at most 64 nodes, one program per head) once
+the batch has enough heads to fill the GPU, and otherwise this file's fused kernel, which takes any
+tree size. In both nothing T x T touches device memory.
+
+The fused kernel runs one program per (value tile, value head, request) and walks its request's nodes
+in blocks of ``B_T`` rows:
 
 1. a ``b_k``-chunked pass over dk reads ``S_pre`` once and forms ``Q S_pre``, ``K S_pre`` and the
    block's own Gram matrices ``Q K^T``, ``K K^T`` (plus the L2 norms);
@@ -22,12 +26,102 @@ value-tiled solve share registers; nothing T x T touches device memory). One pro
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 import triton
 import triton.language as tl
 
 from bole_tune.config import KernelConfig, node_block
+from bole_tune.database import batch_bucket
 from bole_tune.tree import TreeBatch
 from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
+from .tree_verify_resident import RESIDENT_MAX_NODES, tree_verify_resident_kernel
+
+VARIANTS = ("fused", "resident")
+# the resident kernel runs one program per (request, head): it needs this many to fill an H200 and
+# then beats the fused kernel by 1.3-1.4x; below, the fused kernel's dv / b_v programs per head win
+# (H200 measurements, BENCHMARKS.md)
+RESIDENT_MIN_HEADS = 512
+
+
+def pick_variant(num_requests: int, hv: int, max_tree_size: int) -> str:
+    """The kernel ``tree_verify(variant=None)`` runs: "resident" or "fused".
+
+    Decided on the batch's bucket (`bole_tune.database.batch_bucket`), not its exact size, so a
+    tuned config is always launched on the kernel it was tuned for.
+    """
+    if max_tree_size <= RESIDENT_MAX_NODES and batch_bucket(num_requests) * hv >= RESIDENT_MIN_HEADS:
+        return "resident"
+    return "fused"
+
+
+def resolve_launch(shape, dtype, tree: TreeBatch, device, config: KernelConfig | None = None,
+                   variant: str | None = None) -> tuple[KernelConfig, str]:
+    """The (config, variant) `tree_verify` launches with for these arguments (before its self-check).
+
+    ``config=None`` takes the tuned config for this GPU and bucket, and with ``variant=None`` the kernel
+    that config was tuned (and checked) on; otherwise the variant follows `pick_variant`.
+    """
+    if config is None:
+        from bole_tune.lookup import launch_for
+        config, tuned_on = launch_for(shape, dtype, tree, device)
+        if variant is None and tuned_on in VARIANTS and (tuned_on == "fused" or tree.max_tree_size <= RESIDENT_MAX_NODES):
+            variant = tuned_on
+    if variant is None:
+        variant = pick_variant(shape.num_requests, shape.hv, tree.max_tree_size)
+    return config, variant
+
+
+_RESIDENT_CHECKS: dict[tuple, bool] = {}
+
+
+def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtype, use_qk_l2norm: bool,
+                       device: torch.device) -> bool:
+    """Whether the resident kernel computes correctly with ``config`` for this specialisation.
+
+    Triton 3.6 miscompiles a few of the resident kernel's configs on the H200 (b_k <= 32 with 3 or
+    more stages and 128-wide value tiles came out with relative error 1.4e-2, every time; BENCHMARKS.md).
+    So on a GPU the first launch of each compiled variant in a process is checked once, on a
+    one-request instance of the same specialisation, against the float64 reference; a config that
+    fails runs on the fused kernel instead (right for every config), with one warning. Inside a CUDA
+    graph capture no check can run: an unchecked config then runs on the fused kernel.
+    """
+    if device.type != "cuda":
+        return True  # the CPU interpreter runs the kernel's semantics, not a compiled binary
+    key = (config, b_t, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, gate_dtype, use_qk_l2norm, device)
+    ok = _RESIDENT_CHECKS.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        error, tolerance = check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device)
+        ok = _RESIDENT_CHECKS[key] = error <= tolerance
+        if not ok:
+            warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {config} at "
+                          f"{b_t}-row trees on {torch.cuda.get_device_name(device)} (relative error {error:.1e} "
+                          f"against the float64 reference; a Triton miscompile); running the fused kernel "
+                          f"for this config instead", stacklevel=3)
+    return ok
+
+
+def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device) -> tuple[float, float]:
+    """(relative error, allowed error) of the resident kernel on one random ``b_t``-node request."""
+    from bole_tune.bench import TOLERANCE
+    from bole_tune.workloads import make_inputs, make_tree, relative_error
+
+    from .common import VerifyShape
+    from .reference import verify_reference
+
+    tree = make_tree([b_t], seed=12345, device=device)
+    x = make_inputs(tree, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, device, gate_dtype=gate_dtype, seed=12345)
+    one = VerifyShape(tree.num_nodes, 1, x.state.shape[0], shape.hk, shape.hv, shape.dk, shape.dv, shape.dk ** -0.5)
+    res = result_buffers(one, q_dtype, device, tree, None)
+    strides = (x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1), x.v.stride(0), x.v.stride(1))
+    _launch_resident(x.q, x.k, x.v, x.g, x.beta, x.state, x.state_indices, tree, one, res, config,
+                     use_qk_l2norm, strides)
+    ref = verify_reference(*x.args(tree), use_qk_l2norm=use_qk_l2norm, keep_states=False)
+    # correct configs land near 2e-3 with 16-bit inputs, the miscompiled ones at 1.4e-2
+    return relative_error(res.o, ref.o), TOLERANCE[q_dtype] / 2
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -176,7 +270,7 @@ def tree_verify_fwd_kernel(
 
 def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
                 config: KernelConfig | None = None, validate: bool | None = None,
-                out: TreeVerifyResult | None = None) -> TreeVerifyResult:
+                out: TreeVerifyResult | None = None, variant: str | None = None) -> TreeVerifyResult:
     """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
 
     Args:
@@ -188,27 +282,43 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         config: tile configuration; None takes the tuned one for this GPU and shape.
         validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
         out: a `TreeVerifyResult` to write into instead of allocating (buffers reused across layers).
+        variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head)
+            or None: with ``config=None`` the kernel the database's config was tuned on, else
+            `pick_variant` by batch and tree size. Both give the same results.
 
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
     """
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
+    if variant == "resident" and tree.max_tree_size > RESIDENT_MAX_NODES:
+        raise ValueError(f"variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
+                         f"this batch has a tree of {tree.max_tree_size}")
     if not use_triton(q.device):
         from .reference import verify_closed_form
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
-    if config is None:
-        from bole_tune.lookup import config_for
-        config = config_for(shape, q.dtype, tree, q.device)
+    config, variant = resolve_launch(shape, q.dtype, tree, q.device, config, variant)
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
     if not config.fits(shape.dk, shape.dv):
         raise ValueError(f"config: tiles b_k={config.b_k}, b_v={config.b_v} must divide dk={shape.dk}, dv={shape.dv}")
-    hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
     q, sq_n, sq_h = token_head_strides(q)
     k, sk_n, sk_h = token_head_strides(k)
     v, sv_n, sv_h = token_head_strides(v)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
+    if variant == "resident" and not resident_config_ok(config, node_block(tree.max_tree_size), shape, q.dtype,
+                                                        g.dtype, bool(use_qk_l2norm), q.device):
+        variant = "fused"
+    launch = _launch_resident if variant == "resident" else _launch_fused
+    launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, bool(use_qk_l2norm),
+           (sq_n, sq_h, sk_n, sk_h, sv_n, sv_h))
+    return res
+
+
+def _launch_fused(q, k, v, g, beta, state, state_indices, tree, shape, res, config, use_qk_l2norm, strides):
+    hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
     b_t = node_block(tree.max_tree_size)
     block_depth, max_blocks = tree.block_depths(b_t)
     grid = (dv // config.b_v, hv, shape.num_requests)
@@ -216,12 +326,27 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
         res.o, res.u, res.log_decay, res.k, res.k_scale,
-        shape.scale, max_blocks, hv, hk,
-        sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+        shape.scale, max_blocks, hv, hk, *strides,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
-        USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+        USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return res
+
+
+def _launch_resident(q, k, v, g, beta, state, state_indices, tree, shape, res, config, use_qk_l2norm, strides):
+    hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
+    b_t = node_block(tree.max_tree_size)
+    block_depth, _ = tree.block_depths(b_t)
+    tree_verify_resident_kernel[(hv, shape.num_requests)](
+        q, k, v, g, beta, state, state_indices,
+        tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+        res.o, res.u, res.log_decay, res.k, res.k_scale,
+        shape.scale, hv, hk, *strides,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+        USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

@@ -3,14 +3,18 @@
 Usage (on the GPU machine, from the repository root):
     python3 scripts/kernel_lab.py --ablation OUT.json     stage ablations of the shipped kernel
     python3 scripts/kernel_lab.py OUT.json [--commit]     shipped kernel against the two-stage experiment
+    python3 scripts/kernel_lab.py --factored OUT.json     fused against the factored experiment; commit tiles
+    python3 scripts/kernel_lab.py --factored-ablation OUT.json   the factored experiment's stages patched out
+    python3 scripts/kernel_lab.py --resident OUT.json     fused, factored and resident kernels across cases
     ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
 Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
 
 Ablation variants are the shipped kernel's source with one textual patch, written to a temporary
 module and launched with the shipped wrapper's arguments. Variants that drop a stage compute wrong
 outputs: they are timed, never used. Differences of medians place the time of each stage (METHOD.md).
-The two-stage experiment (benchmarks/experiments/two_stage_tree_verify.py) splits the verifier into
-a factor kernel and a value kernel; BENCHMARKS.md records what it measured and why it was not shipped.
+The two-stage and factored experiments (benchmarks/experiments/) split the verifier into a factor
+kernel and a value kernel; BENCHMARKS.md records what they measured and why they were not shipped
+(the resident kernel, kernels/tree_verify_resident.py, came out of the factored one).
 Results of the 2026-11-29 runs: benchmarks/experiments/*.json.
 """
 
@@ -221,7 +225,263 @@ def ablation(out_path: str):
     pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
+FACTORED_CONFIGS = [(b_k, b_v, w, st) for b_k, b_v, w, st in [
+    (32, 32, 4, 2), (64, 32, 4, 2), (32, 32, 4, 3), (64, 32, 4, 3), (128, 32, 4, 1), (32, 32, 2, 2),
+    (32, 16, 2, 2), (64, 16, 2, 2), (32, 16, 4, 3), (32, 64, 4, 2), (64, 64, 4, 2), (32, 64, 8, 2),
+    (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (16, 32, 4, 3), (16, 64, 4, 4),
+    (128, 64, 8, 1), (64, 32, 8, 2)]]
+
+
+@functools.cache
+def factored_module(source: str | None = None, name: str = "factored_tv"):
+    """The factored experiment (benchmarks/experiments/factored_tree_verify.py), or a patched copy."""
+    return load_module(source or (EXPERIMENTS / "factored_tree_verify.py").read_text(), name)
+
+
+def factored(out_path: str):
+    """The fused kernel (database config) against the factored experiment's value-kernel configs."""
+    from bole_tune.kernels import tree_verify
+
+    fm = factored_module()
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 1, 64), ("qwen3.5-9b", 4, 64), ("qwen3.5-9b", 8, 64),
+             ("qwen3.5-9b", 2, 64), ("qwen3.5-9b", 16, 16), ("qwen3.5-9b", 16, 32), ("qwen3.5-9b", 32, 64),
+             ("qwen3.5-27b", 16, 64), ("qwen3.5-122b-a10b", 16, 64), ("qwen3.5-122b-a10b", 1, 64),
+             ("qwen3.5-122b-a10b", 4, 32)]
+    configs = [KernelConfig(*c) for c in FACTORED_CONFIGS]
+    if "--first" in sys.argv:  # the first case only, with the configs that came out best there
+        cases, configs = cases[:1], [KernelConfig(64, 64, 4, 2), KernelConfig(32, 32, 4, 3), KernelConfig(32, 64, 4, 2)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        models = {"tiny": GDNShape(2, 4, 32, 32)}
+        cases, configs = [("tiny", 2, 20)], [KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 2)]
+    rows, best = [], {}
+
+    def record(bench, name, config, verify, check=True):
+        c = bench.case
+        try:
+            err = bench.error(verify, config) if check else None
+            timing, _ = bench.time_verify(verify, config, repeats=15)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+            print(f"{c.shape} B={c.batch:<3} T={c.tree_size:<4} {name:<10} {label(config):<12} FAILED {str(exc)[:150]}")
+            rows.append({"model": str(c.shape), "batch": c.batch, "tree": c.tree_size, "variant": name,
+                         "config": label(config), "error": str(exc)[:300]})
+            return None
+        rows.append({"model": str(c.shape), "batch": c.batch, "tree": c.tree_size, "variant": name,
+                     "config": label(config), "p50_us": round(timing.p50_us, 2), "rel_error": err})
+        print(f"B={c.batch:<3} T={c.tree_size:<4} {name:<10} {label(config):<12} {timing.p50_us:8.2f} us"
+              + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+        return timing.p50_us if err is None or err <= 1e-2 else None
+
+    fused = functools.partial(tree_verify, variant="fused")
+    for model, batch, size in cases:
+        bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
+        first = (model, batch, size) == cases[0]
+        record(bench, "fused", configs[0] if smoke else database_config(bench), fused)
+        ranked = [KernelConfig(*map(int, c.split("/"))) for c, _ in sorted(best.items(), key=lambda kv: kv[1])[:8]]
+        for config in configs if first else ranked:
+            t = record(bench, "factored", config, fm.tree_verify)
+            if t is not None and first:
+                best[label(config)] = t
+        if first and not smoke and best:
+            top = ranked[0] if ranked else KernelConfig(*map(int, min(best, key=best.get).split("/")))
+            record(bench, "f-only", top, functools.partial(fm.tree_verify, stages="f"), check=False)
+            record(bench, "v-only", top, functools.partial(fm.tree_verify, stages="v"), check=False)
+            for warps in (4, 8, 16):
+                record(bench, f"fwarps{warps}", top, functools.partial(fm.tree_verify, factor_launch=warps))
+        if (model, batch, size) == ("qwen3.5-9b", 16, 64) or smoke:
+            commit_lab(bench, rows, smoke)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def database_config(bench) -> KernelConfig:
+    """The config tree_verify(config=None) would launch for this case (from the tuning database)."""
+    from bole_tune.kernels.common import VerifyShape
+    from bole_tune.lookup import config_for
+
+    c, (tree, pool, _, _) = bench.case, bench.sets(64)
+    shape = VerifyShape(tree.num_nodes, c.batch, pool.shape[0], c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, 1.0)
+    return config_for(shape, c.dtype, tree, bench.device)
+
+
+def commit_lab(bench, rows, smoke):
+    """tree_commit's tiles and spans at one case, each checked against the closed form first."""
+    from bole_tune.kernels import tree_commit, tree_verify
+    from bole_tune.kernels.reference import commit_closed_form
+    from bole_tune.timing import time_launches
+
+    tree, pool, inputs, slots = bench.sets(64)
+    results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+               for i, x in enumerate(inputs)]
+    depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+    c = bench.case
+    accepted = torch.tensor([max(range(c.tree_size), key=lambda n: depths[offsets[r] + n]) for r in range(c.batch)],
+                            dtype=torch.int32, device=bench.device)
+    choices = [(128, 32, 4, 32, 1), (128, 32, 4, 128, 2), (128, 32, 4, 128, 3), (128, 32, 4, 128, 4),
+               (128, 16, 4, 128, 4), (128, 64, 4, 128, 3), (128, 32, 4, 64, 3), (64, 32, 4, 128, 3),
+               (128, 16, 2, 128, 3), (128, 16, 2, 64, 3), (128, 32, 8, 128, 3), (64, 16, 2, 128, 4)]
+    if smoke:
+        choices = [(32, 16, 4, 32, 1), (32, 16, 4, 32, 2)]
+    for b_k, b_v, warps, span, stages in choices:
+        kw = dict(b_k=b_k, b_v=b_v, num_warps=warps, v_span=span, num_stages=stages)
+        expected = pool.clone()
+        commit_closed_form(expected, slots[0], results[0], accepted, validate=False)
+        trial = pool.clone()
+        tree_commit(trial, slots[0], results[0], accepted, validate=False, **kw)
+        err = float((trial - expected).norm() / expected.norm())
+
+        def launch(i, kw=kw):
+            tree_commit(pool, slots[i], results[i], accepted, validate=False, **kw)
+        try:
+            timing = time_launches(launch, len(inputs), bench.device, repeats=15)
+        except Exception as exc:  # noqa: BLE001
+            print("commit", kw, "failed", str(exc)[:120])
+            continue
+        rows.append({"kernel": "commit", "batch": c.batch, "tree": c.tree_size, **kw,
+                     "p50_us": round(timing.p50_us, 2), "rel_error": err})
+        print(f"commit B={c.batch} T={c.tree_size} {kw}: {timing.p50_us:.2f} us err {err:.1e}", flush=True)
+
+
+FACTOR_PATCHES = {
+    "f-base": [],
+    "f-nosweep": [("    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n", "    for _ in range(0, 0):\n")],
+    "f-1sweep": [("    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n", "    for _ in range(0, 1):\n")],
+    "f-nogram": [
+        ("        b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)\n", ""),
+        ("        b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", "")],
+    "f-nomat": [("    b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION)\n", "    b_m = b_c + b_x\n")],
+}
+VALUE_PATCHES = {
+    "v-base": [],
+    "v-nostate": [
+        ("        b_s = tl.load(p_state + o_k[None, :])\n", ""),
+        ("        b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n",
+         "        b_qs += tl.sum(b_q.to(tl.float32), axis=1)[:, None]\n"),
+        ("        b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
+         "        b_ks += tl.sum(b_k.to(tl.float32), axis=1)[:, None]\n")],
+    "v-nosolve": [
+        ("    b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)\n", "    b_u = b_r\n"),
+        ("    b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)\n",
+         "    b_o = a_q[:, None] * b_qs + b_r\n"),
+        ("    b_w = tl.load(w_ptr + p_tt)\n", ""), ("    b_m = tl.load(m_ptr + p_tt)\n", "")],
+    "v-bf16state": [
+        ("        b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n",
+         "        b_qs = tl.dot(b_q, tl.trans(b_s.to(b_q.dtype)), b_qs)\n"),
+        ("        b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
+         "        b_ks = tl.dot(b_k, tl.trans(b_s.to(b_k.dtype)), b_ks)\n")],
+}
+
+
+def compiled_stats(fn) -> str:
+    """Registers, spills and shared memory of a jitted function's compiled variants (latest last)."""
+    stats = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        for kernel in caches[0].values():
+            kernel._init_handles()
+            stats.append(f"regs {kernel.n_regs} spills {kernel.n_spills} smem {kernel.metadata.shared}")
+    return stats[-1] if stats else "?"
+
+
+def factored_ablation(out_path: str):
+    """Where the factored experiment's time goes: each kernel alone, with one stage patched out."""
+    text = (EXPERIMENTS / "factored_tree_verify.py").read_text()
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def patched(name, patches):
+        source = text
+        for old, new in patches:
+            assert old in source, (name, old)
+            source = source.replace(old, new)
+        return factored_module(source, f"tf_{name.replace('-', '_')}")
+
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        bench = CaseBench(BenchCase(GDNShape(2, 4, 32, 32), 2, 20, torch.bfloat16), device=device)
+        configs, warps_list = [KernelConfig(16, 16, 4, 1)], [4]
+    else:
+        bench = CaseBench(BenchCase(load_model("qwen3.5-9b").gdn(), 16, 64, torch.bfloat16), device=device)
+        configs, warps_list = [KernelConfig(64, 64, 4, 2), KernelConfig(32, 32, 4, 3), KernelConfig(64, 32, 4, 2)], [4, 8]
+    rows = []
+
+    def run(name, module, config, check, **kwargs):
+        verify = functools.partial(module.tree_verify, **kwargs)
+        timing, _ = bench.time_verify(verify, config, repeats=15)
+        row = {"variant": name, "config": label(config), "p50_us": round(timing.p50_us, 2),
+               "rel_error": bench.error(verify, config) if check else None}
+        kernel = module.tree_factor_kernel if kwargs.get("stages") == "f" else module.tree_value_kernel
+        row["stats"] = compiled_stats(kernel)
+        rows.append(row)
+        print(row, flush=True)
+
+    for warps in warps_list:
+        for name, patches in FACTOR_PATCHES.items():
+            run(f"{name}-w{warps}", patched(name, patches), configs[0], False, stages="f", factor_launch=warps)
+    for config in configs:
+        for name, patches in VALUE_PATCHES.items():
+            if name == "v-bf16state":  # a change of precision: checked against the reference
+                run(name, patched(name, patches), config, True)
+            else:
+                run(name, patched(name, patches), config, False, stages="v")
+    pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+RESIDENT_CONFIGS = [(b_k, b_v, w, st) for b_k in (32, 64, 128) for b_v in (32, 64) for w in (4, 8)
+                    for st in (1, 2, 3)] + [(32, 16, 4, 2), (64, 16, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2)]
+
+
+def resident(out_path: str):
+    """Fused (database config) against the factored experiment and the resident kernel, across cases."""
+    from bole_tune.kernels import tree_verify
+
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 1, 64), ("qwen3.5-9b", 4, 64), ("qwen3.5-9b", 16, 16),
+             ("qwen3.5-9b", 16, 32), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 8, 8), ("qwen3.5-27b", 16, 64),
+             ("qwen3.5-122b-a10b", 16, 64), ("qwen3.5-122b-a10b", 1, 16)]
+    configs = [KernelConfig(*c) for c in RESIDENT_CONFIGS]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        models = {"tiny": GDNShape(2, 4, 32, 32)}
+        cases, configs = [("tiny", 2, 20), ("tiny", 1, 9)], [KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 2)]
+    variants = {"fused": functools.partial(tree_verify, variant="fused"),
+                "factored": functools.partial(factored_module().tree_verify, factor_launch=4),
+                "resident": functools.partial(tree_verify, variant="resident")}
+    rows, best = [], {}
+    for model, batch, size in cases:
+        bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
+        first = (model, batch, size) == cases[0]
+        ranked = [KernelConfig(*map(int, c.split("/"))) for c, _ in sorted(best.items(), key=lambda kv: kv[1])[:6]]
+        plan = [("fused", configs[0] if smoke else database_config(bench)),
+                ("factored", configs[0] if smoke else KernelConfig(64, 64, 4, 2))]
+        plan += [("resident", c) for c in (configs if first else ranked)]
+        for name, config in plan:
+            try:
+                err = bench.error(variants[name], config)
+                timing, _ = bench.time_verify(variants[name], config, repeats=15)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                print(f"{model:<18} B={batch:<3} T={size:<4} {name:<9} {label(config):<12} FAILED {str(exc)[:150]}")
+                continue
+            row = {"model": model, "batch": batch, "tree": size, "variant": name, "config": label(config),
+                   "p50_us": round(timing.p50_us, 2), "rel_error": err}
+            if name == "resident" and err <= 1e-2 and first:
+                best[label(config)] = timing.p50_us
+            rows.append(row)
+            print(f"{model:<18} B={batch:<3} T={size:<4} {name:<9} {label(config):<12} {timing.p50_us:8.2f} us"
+                  f"  err {err:.1e}", flush=True)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
 def main():
+    if sys.argv[1] == "--resident":
+        return resident(sys.argv[2])
+    if sys.argv[1] == "--factored-ablation":
+        return factored_ablation(sys.argv[2])
+    if sys.argv[1] == "--factored":
+        return factored(sys.argv[2])
     if sys.argv[1] == "--ncu":
         return ncu_case()
     if sys.argv[1] == "--ablation":
@@ -279,7 +539,7 @@ def load_fused():
 
 def load_module(source: str, name: str):
     """Import kernel source text as a module (Triton reads a jitted function's source from its file)."""
-    text = source.replace("from .common import", "from bole_tune.kernels.common import")
+    text = source.replace("\nfrom .", "\nfrom bole_tune.kernels.")
     path = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(name, path)

@@ -92,6 +92,7 @@ OPTION_CASES = {
     "config-type": (dict(config=(64, 32, 4, 2)), TypeError, "config: expected a KernelConfig"),
     "config-tiles": (dict(config=KernelConfig(64, 64)), ValueError, "config: tiles b_k=64, b_v=64 must divide dk=32"),
     "tree-type": (dict(tree=[[-1, 0]]), TypeError, "tree: expected a TreeBatch"),
+    "variant-name": (dict(variant="fast"), ValueError, "variant: expected one of"),
 }
 
 

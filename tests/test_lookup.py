@@ -123,3 +123,30 @@ def test_tensor_parallel_entries_serve_the_ranks_heads(db, monkeypatch):
     assert lookup.config_for(runtime_shape, torch.bfloat16, tree, torch.device("cuda", 0)).b_v == 64
     with pytest.raises(ValueError, match="tp=3"):
         resolve_model("qwen3.5-122b-a10b").gdn(tp=3)
+
+
+def test_the_kernel_a_config_was_tuned_on_comes_with_it(db, monkeypatch):
+    """Entries name the tree_verify variant they were tuned on; older entries (no field) were all fused."""
+    from bole_tune.kernels.common import VerifyShape
+    from bole_tune.kernels.tree_verify import resolve_launch
+    from bole_tune.tree import TreeBatch
+
+    key = ShapeKey(32, 16, 128, 128, "bf16", 32, 16)
+    tuned = entry(key, b_v=64)
+    tuned["kernel"] = "resident"
+    database.update(database.database_path(SLUG, db), configs={key.text: tuned})
+    assert lookup.decide(key, SLUG).kernel == "resident"
+    assert lookup.decide(ShapeKey(32, 16, 128, 128, "bf16", 64, 16), SLUG).kernel == "fused"
+    assert lookup.decide(ShapeKey(64, 16, 128, 128, "bf16", 64, 16), SLUG).kernel is None  # the default
+
+    monkeypatch.setattr(lookup, "_device_slug", lambda device: SLUG)
+    shape = VerifyShape(16 * 20, 16, 16, 16, 32, 128, 128, 128 ** -0.5)
+    tree = TreeBatch.from_parents([[-1] + list(range(19))] * 16)
+    device = torch.device("cuda", 0)
+    assert resolve_launch(shape, torch.bfloat16, tree, device) == (KernelConfig(64, 64, 8, 2), "resident")
+    # an explicit variant wins; an explicit config takes the variant by batch and tree size
+    assert resolve_launch(shape, torch.bfloat16, tree, device, variant="fused")[1] == "fused"
+    assert resolve_launch(shape, torch.bfloat16, tree, device, config=KernelConfig(16, 16, 2, 1))[1] == "resident"
+    lookup.clear_cache()
+    tree = TreeBatch.from_parents([[-1] + list(range(63))] * 16)  # T64-B16: tuned before the field existed
+    assert resolve_launch(shape, torch.bfloat16, tree, device)[1] == "fused"

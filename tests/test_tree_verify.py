@@ -4,6 +4,7 @@ CPU cases run under TRITON_INTERPRET=1 with small shapes; GPU cases (production 
 a CUDA device and are skipped visibly without one.
 """
 
+import functools
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from bole_tune import KernelConfig, TreeBatch
 from bole_tune.kernels import serial_verify, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.tree_verify import RESIDENT_MIN_HEADS, pick_variant
 from bole_tune.workloads import make_inputs, make_tree, tree_parents
 from conftest import requires_gpu
 from helpers import TOLERANCE, assert_close, poisoned_out
@@ -79,9 +81,32 @@ def run_case(device, sizes, kind, hk, hv, d, dtype, g_range, verify=tree_verify,
     return res
 
 
-@pytest.mark.parametrize("case", list(CPU_CASES), ids=list(CPU_CASES))
-def test_tree_verify_matches_reference(device, case):
-    run_case(device, *CPU_CASES[case])
+VARIANT_CASES = [(case, variant) for case in CPU_CASES for variant in ("fused", "resident")
+                 if variant == "fused" or max(CPU_CASES[case][0]) <= 64]
+
+
+@pytest.mark.parametrize("case,variant", VARIANT_CASES, ids=[f"{c}-{v}" for c, v in VARIANT_CASES])
+def test_tree_verify_matches_reference(device, case, variant):
+    run_case(device, *CPU_CASES[case], verify=functools.partial(tree_verify, variant=variant))
+
+
+def test_variant_choice():
+    """The resident kernel from 512 (request bucket x head) pairs up and for trees of at most 64 nodes."""
+    assert RESIDENT_MIN_HEADS == 512
+    assert pick_variant(16, 32, 64) == "resident"
+    assert pick_variant(12, 32, 64) == "resident"  # batch bucket 16: the bucket's tuned config is for it
+    assert pick_variant(8, 32, 64) == "fused"
+    assert pick_variant(16, 32, 65) == "fused"
+    assert pick_variant(8, 64, 8) == "resident"
+    assert pick_variant(1, 32, 64) == "fused"
+    assert pick_variant(100, 32, 1) == "resident"
+
+
+def test_resident_refuses_large_trees(device):
+    tree = make_tree([65, 3], "random", seed=11, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=11)
+    with pytest.raises(ValueError, match="variant: 'resident' takes trees of at most 64 nodes"):
+        tree_verify(*x.args(tree), variant="resident")
 
 
 @pytest.mark.slow
@@ -112,10 +137,12 @@ def test_gpu_serial_verify(case):
 
 @requires_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fused", "resident"])
 @pytest.mark.parametrize("config", [KernelConfig(16, 16, 2, 1), KernelConfig(32, 64, 4, 2), KernelConfig(128, 128, 8, 3),
-                                    KernelConfig(64, 32, 8, 4)], ids=str)
-def test_gpu_configs(config):
-    run_case("cuda", [64, 64, 20], "random", 16, 32, 128, BF16, (-2.0, 0.0), config=config)
+                                    KernelConfig(64, 32, 8, 4), KernelConfig(32, 64, 4, 3)], ids=str)
+def test_gpu_configs(config, variant):
+    run_case("cuda", [64, 64, 20], "random", 16, 32, 128, BF16, (-2.0, 0.0), config=config,
+             verify=functools.partial(tree_verify, variant=variant))
 
 
 @pytest.mark.parametrize("config", [KernelConfig(16, 16, 1, 1), KernelConfig(32, 32, 2, 2)], ids=str)
@@ -210,17 +237,19 @@ def test_reference_is_the_sequential_recurrence():
     assert torch.allclose(ref.states[5, 0], s.T, atol=1e-10)
 
 
-def test_every_depth_around_the_solver_switch(device):
-    """Chains of 1..12 nodes in one batch: block depths 0..11 cross the squaring/sweep switch at 8."""
+@pytest.mark.parametrize("variant", ["fused", "resident"])
+def test_every_depth_around_the_solver_switch(device, variant):
+    """Chains of 1..12 nodes in one batch: block depths 0..11 (each level one substitution sweep)."""
     tree = TreeBatch.from_parents([tree_parents(n, "chain") for n in range(1, 13)], device=device)
     x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=9)
     ref = verify_reference(*x.args(tree))
-    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant=variant)
     assert_close(res.o, ref.o, 2e-3, "o")
 
 
+@pytest.mark.parametrize("variant", ["fused", "resident"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_correlated_keys_stay_accurate(device, dtype):
+def test_correlated_keys_stay_accurate(device, dtype, variant):
     """Nearly equal keys, beta = 1, g = 0: G is almost all ones, the hardest case for the solve."""
     tree = TreeBatch.from_parents([tree_parents(9, "chain"), tree_parents(40, "random", 8)], device=device)
     x = make_inputs(tree, 1, 2, 32, 32, dtype, device, seed=10)
@@ -230,9 +259,50 @@ def test_correlated_keys_stay_accurate(device, dtype):
     x.beta.fill_(1.0)
     x.g.zero_()
     ref = verify_reference(*x.args(tree))
-    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant=variant)
     assert_close(res.o, ref.o, TOLERANCE[dtype], "o")
     accepted = torch.tensor([8, 39], device=device)
     before = x.state.clone()
     tree_commit(x.state, x.state_indices, res, accepted)
     assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
+
+
+def test_resident_self_check_passes_a_good_config(device):
+    """The check the GPU runs once per compiled resident config: here on the interpreter, where it must pass."""
+    from bole_tune.kernels.common import VerifyShape
+    from bole_tune.kernels.tree_verify import check_resident
+
+    shape = VerifyShape(0, 1, 1, 1, 2, 32, 32, 32 ** -0.5)
+    error, tolerance = check_resident(KernelConfig(16, 16, 4, 1), 16, shape, BF16, torch.float32, True,
+                                      torch.device(device))
+    assert error <= tolerance, (error, tolerance)
+
+
+def test_resident_falls_back_to_fused_for_a_failing_config(device, monkeypatch):
+    """A config whose self-check fails runs on the fused kernel (right answer, one warning per config)."""
+    import sys
+
+    tv = sys.modules["bole_tune.kernels.tree_verify"]  # the package re-exports the function under this name
+    calls = []
+    monkeypatch.setattr(tv, "check_resident", lambda *args: calls.append(args) or (1.4e-2, 5e-3))
+    monkeypatch.setattr(tv, "_RESIDENT_CHECKS", {})
+    launched = []
+    monkeypatch.setattr(tv, "_launch_fused", lambda *a, _f=tv._launch_fused: launched.append("fused") or _f(*a))
+    monkeypatch.setattr(tv, "_launch_resident", lambda *a, _f=tv._launch_resident: launched.append("resident") or _f(*a))
+    original = tv.resident_config_ok
+
+    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev):
+        return original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, torch.device("cuda", 0)) \
+            if dev.type == "cpu" else original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev)
+
+    monkeypatch.setattr(tv, "resident_config_ok", as_on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    tree = make_tree([20, 9], "random", seed=13, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=13)
+    ref = verify_reference(*x.args(tree))
+    with pytest.warns(UserWarning, match="computes wrongly with .* running the fused kernel"):
+        res = tree_verify(*x.args(tree), config=KernelConfig(16, 16, 4, 1), variant="resident")
+    assert_close(res.o, ref.o, TOLERANCE[BF16], "o")
+    res = tree_verify(*x.args(tree), config=KernelConfig(16, 16, 4, 1), variant="resident")
+    assert launched == ["fused", "fused"] and len(calls) == 1, (launched, calls)

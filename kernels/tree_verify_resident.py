@@ -1,0 +1,131 @@
+"""The resident Bole verifier for trees of at most 64 nodes: one program per (value head, request).
+
+The fused kernel (`tree_verify.py`) gives each of a head's ``dv / b_v`` programs its own copy of the
+factor work and runs the substitution sweeps on ``[T, b_v]`` value tiles; at 64 nodes its 8-warp
+programs need every register of an SM. Here the work is split where the math splits
+(../shared/DESIGN.md §2), inside one program per head:
+
+1. the factors, once: ``logP``, the norms, ``G`` and ``C``, then
+
+       W = (I + G)^-1 D_beta          (level sweeps X <- I - G X on T x T, one per tree level)
+       M = C (I + G)^-1 D_beta        (the readout of the solved rows)
+
+   and the row factors ``a_q = P r_q``, ``a_k = P r_k`` (decay times norm scale). ``W`` and ``M`` are
+   exact blocks of the inverse (each entry is the response of one node's update to another node's
+   value, bounded), never powers of ``G``;
+2. ``S_pre`` streamed one ``b_v``-row value tile at a time, ``b_k`` columns per step, with ``W`` and
+   ``M`` kept resident:
+
+       R' = V - a_k (K S_pre^T)      U = W R'      O = a_q (Q S_pre^T) + M R'
+
+The sweeps cost ``T^3`` per head instead of ``T^2 dv`` and nothing ``T x T`` leaves the SM. With one
+program per head it needs many heads to fill a GPU: `tree_verify` picks it from 512 (request, head)
+pairs up (measured on the H200, BENCHMARKS.md) and the fused kernel below that.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RESIDENT_MAX_NODES = 64
+
+
+@triton.jit(do_not_specialize=["H_V", "H_K"])
+def tree_verify_resident_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
+    # tree topology
+    offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
+    # outputs
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    # scalars and strides
+    scale, H_V, H_K,
+    stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+    stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
+    stride_s_slot, stride_s_h, stride_s_v,
+    # sizes and meta-parameters
+    D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+):
+    i_h = tl.program_id(0).to(tl.int64)
+    i_r = tl.program_id(1).to(tl.int64)
+    i_hk = i_h // (H_V // H_K)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    write_keys = i_h % (H_V // H_K) == 0
+
+    o_i = tl.arange(0, B_T)
+    m_i = o_i < num_nodes
+    rows = bos + o_i
+    enter_i = tl.load(dfs_enter_ptr + rows, mask=m_i, other=-1)
+    exit_i = tl.load(dfs_exit_ptr + rows, mask=m_i, other=-2)
+    b_beta = tl.load(beta_ptr + rows * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(tl.float32)
+    b_g = tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32)
+
+    # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
+    b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
+    b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
+    ssq_q = tl.zeros([B_T], dtype=tl.float32)
+    ssq_k = tl.zeros([B_T], dtype=tl.float32)
+    for i_k in range(0, D_K, B_K):
+        o_k = i_k + tl.arange(0, B_K)
+        b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
+                      mask=m_i[:, None], other=0)
+        b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
+                      mask=m_i[:, None], other=0)
+        b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)
+        b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)
+        if USE_QK_L2NORM:
+            ssq_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+            ssq_k += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+        tl.store(k_out_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], b_k,
+                 mask=m_i[:, None] & write_keys)
+    if USE_QK_L2NORM:
+        r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+        r_q = scale / tl.sqrt(ssq_q + 1e-6)
+    else:
+        r_k = tl.full([B_T], 1.0, dtype=tl.float32)
+        r_q = tl.full([B_T], scale, dtype=tl.float32)
+    m_anc = (enter_i[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_i[None, :])
+    b_logp = tl.sum(tl.where(m_anc, b_g[None, :], 0.0), axis=1)
+    decay = tl.exp(tl.where(m_anc, b_logp[:, None] - b_logp[None, :], float("-inf")))
+    m_strict = m_anc & (o_i[:, None] != o_i[None, :])
+    b_gm = tl.where(m_strict, (b_beta * r_k)[:, None] * decay * r_k[None, :] * b_kk, 0.0)
+    b_c = r_q[:, None] * decay * r_k[None, :] * b_qk
+    eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    b_x = eye
+    for _ in range(0, tl.load(block_depth_ptr + i_r)):
+        b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)
+    b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION) * b_beta[None, :]
+    b_w = b_x * b_beta[None, :]
+    b_decay = tl.exp(b_logp)
+    a_q = b_decay * r_q
+    a_k = b_decay * r_k
+    tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i)
+    tl.store(k_scale_ptr + rows * H_K + i_hk, r_k, mask=m_i & write_keys)
+
+    # 2. stream S_pre one value tile at a time: R' = V - a_k (K S^T), U = W R', O = a_q (Q S^T) + M R'
+    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    for i_v in range(0, D_V, B_V):
+        o_v = i_v + tl.arange(0, B_V)
+        b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
+        b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
+        for i_k in range(0, D_K, B_K):
+            o_k = i_k + tl.arange(0, B_K)
+            b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
+                          mask=m_i[:, None], other=0)
+            b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
+                          mask=m_i[:, None], other=0)
+            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
+            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+        b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
+                      mask=m_i[:, None], other=0).to(tl.float32)
+        b_r = b_v - a_k[:, None] * b_ks
+        b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)
+        b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)
+        tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
+        tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                 b_o.to(o_ptr.dtype.element_ty), mask=m_i[:, None])
