@@ -498,10 +498,10 @@ def cmd_show(args) -> int:
     device = data.get("device", {})
     console.print(f"[bold]{path}[/] — {device.get('name', '?')} (schema {data['schema_version']})")
     table = Table(title="tuned configs (T: tree-size bucket, B: batch bucket; config: b_k/b_v/warps/stages)")
-    for column, width in (("shape", 19), ("T", 3), ("B", 2), ("config", 11), ("p50 us", 6), ("p20-p80", 11),
-                          ("default us", 6), ("speedup", 5), ("measured", 3)):
+    for column, width in (("shape", 19), ("T", 3), ("B", 2), ("config", 11), ("kernel", 8), ("p50 us", 6),
+                          ("p20-p80", 11), ("default us", 6), ("speedup", 5), ("measured", 3)):
         table.add_column(column, min_width=width, no_wrap=True,
-                         justify="left" if column in ("shape", "config", "p20-p80") else "right")
+                         justify="left" if column in ("shape", "config", "kernel", "p20-p80") else "right")
     versions, dates = set(), set()
     for _, e in sorted(data["configs"].items(), key=lambda kv: database.ShapeKey.from_dict(kv[1]["key"])):
         c, lat, k = e["config"], e["latency_us"], e["key"]
@@ -510,7 +510,8 @@ def cmd_show(args) -> int:
         dates.add(str(prov.get("date", "?"))[:10])
         shape = f"Hv{k['hv']} Hk{k['hk']} {k['dk']}/{k['dv']} {k['dtype']}" + (f" TP{k['tp']}" if k.get("tp", 1) != 1 else "")
         table.add_row(shape, str(k["tree_bucket"]), str(k["batch_bucket"]),
-                      f"{c['b_k']}/{c['b_v']}/{c['num_warps']}/{c['num_stages']}", f"{lat['p50']:.1f}",
+                      f"{c['b_k']}/{c['b_v']}/{c['num_warps']}/{c['num_stages']}", e.get("kernel", "fused"),
+                      f"{lat['p50']:.1f}",
                       f"{lat['p20']:.1f}-{lat['p80']:.1f}",
                       f"{e['default_latency_us']['p50']:.1f}" if "default_latency_us" in e else "-",
                       f"{e['speedup_vs_default']:.2f}x" if "speedup_vs_default" in e else "-",

@@ -26,7 +26,7 @@ for stage in $stages; do
         -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
     validate) timeout 110 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
         | tail -12 | tee -a "$LOG" ;;
-    gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth" \
+    gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
     exhaustive)
@@ -41,6 +41,7 @@ for stage in $stages; do
       BOLE_TUNE_DB="$OUT" timeout 125 bole-tune step --repeats 10 2>&1 | grep -v "━" | tail -180 | tee -a "$LOG" ;;
     bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
+    resident) timeout 300 python3 scripts/kernel_lab.py --resident "$OUT/resident.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
