@@ -150,7 +150,8 @@ def test_tile_configs_agree(device, config):
     run_case(device, [19, 4], "random", 2, 4, 32, BF16, (-2.0, 0.0), config=config)
 
 
-def test_gates_at_their_limits(device):
+@pytest.mark.parametrize("variant", ["fused", "resident"])
+def test_gates_at_their_limits(device, variant):
     """beta exactly 0 and 1 and g exactly 0 mixed in one batch."""
     tree = make_tree([23, 11], "random", seed=3, device=device)
     x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=3)
@@ -158,22 +159,24 @@ def test_gates_at_their_limits(device):
     x.beta[1::3] = 1.0
     x.g[::2] = 0.0
     ref = verify_reference(*x.args(tree))
-    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant=variant)
     assert_close(res.o, ref.o, 2e-3, "o")
 
 
-def test_without_l2_norm_and_custom_scale(device):
+@pytest.mark.parametrize("variant", ["fused", "resident"])
+def test_without_l2_norm_and_custom_scale(device, variant):
     tree = make_tree([12, 30], "random", seed=4, device=device)
     x = make_inputs(tree, 2, 2, 32, 32, torch.float32, device, seed=4)
     x.q.mul_(0.1)
     x.k.mul_(0.1)
     ref = verify_reference(*x.args(tree), scale=0.5, use_qk_l2norm=False)
-    res = tree_verify(*x.args(tree), scale=0.5, use_qk_l2norm=False, out=poisoned_out(x, tree))
+    res = tree_verify(*x.args(tree), scale=0.5, use_qk_l2norm=False, out=poisoned_out(x, tree), variant=variant)
     assert_close(res.o, ref.o, 2e-3, "o")
     assert torch.all(res.k_scale == 1.0)
 
 
-def test_non_contiguous_inputs(device):
+@pytest.mark.parametrize("variant", ["fused", "resident"])
+def test_non_contiguous_inputs(device, variant):
     """q, k, v as views into one fused projection, gates as column views: the same answer."""
     tree = make_tree([9, 14], "random", seed=5, device=device)
     n, hk, hv, d = tree.num_nodes, 2, 4, 32
@@ -185,10 +188,10 @@ def test_non_contiguous_inputs(device):
     gates = torch.stack([x.g, x.beta], dim=2)  # g and beta interleaved: stride 2 along the head axis
     assert not q.is_contiguous() and not gates[..., 0].is_contiguous()
     ref = verify_reference(*x.args(tree))
-    res = tree_verify(q, k, v, gates[..., 0], gates[..., 1], x.state, x.state_indices, tree)
+    res = tree_verify(q, k, v, gates[..., 0], gates[..., 1], x.state, x.state_indices, tree, variant=variant)
     assert_close(res.o, ref.o, 2e-3, "o")
     transposed_k = x.k.transpose(1, 2).contiguous().transpose(1, 2)  # last dim not contiguous: copied
-    res = tree_verify(x.q, transposed_k, x.v, x.g, x.beta, x.state, x.state_indices, tree)
+    res = tree_verify(x.q, transposed_k, x.v, x.g, x.beta, x.state, x.state_indices, tree, variant=variant)
     assert_close(res.o, ref.o, 2e-3, "o with a strided key dimension")
 
 
