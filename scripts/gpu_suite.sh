@@ -41,6 +41,10 @@ for stage in $stages; do
       BOLE_TUNE_DB="$OUT" timeout 125 bole-tune step --repeats 10 2>&1 | grep -v "━" | tail -180 | tee -a "$LOG" ;;
     bench) bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
+    grid-*)  # the full grid of one model into $OUT's copy of the shipped database, e.g. grid-qwen3.5-9b
+      [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
+      BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
+        --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
     resident) timeout 300 python3 scripts/kernel_lab.py --resident "$OUT/resident.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
