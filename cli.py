@@ -578,11 +578,12 @@ def cmd_lookup(args) -> int:
     except (LookupError, ValueError) as error:
         raise UsageError(str(error)) from None
     result = {"gpu": slug, "key": key.text, "policy": mode, "how": decision.how, "reason": decision.reason,
-              "config": decision.config.as_dict(), "tuned_p50_us": decision.latency_us}
+              "config": decision.config.as_dict(), "kernel": decision.kernel, "tuned_p50_us": decision.latency_us}
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    console.print(f"{key.text} on {slug}: [bold]{decision.config}[/] ({decision.how}: {decision.reason})")
+    kernel = f" on the {decision.kernel} kernel" if decision.kernel else ""
+    console.print(f"{key.text} on {slug}: [bold]{decision.config}[/]{kernel} ({decision.how}: {decision.reason})")
     return 0
 
 

@@ -101,10 +101,11 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
     hk, dk = res.k.shape[1:]
     b_k, b_v = min(b_k, dk), min(b_v, dv)
     v_span = max(b_v, min(v_span, dv))
-    for name, value, full in (("b_k", b_k, dk), ("b_v", b_v, v_span), ("v_span", v_span, dv), ("num_stages", num_stages, 8)):
-        if not isinstance(value, int) or value < 1 or (name != "num_stages" and (value & (value - 1) or full % value)):
-            raise ValueError(f"{name}={value!r}: expected a power of two dividing {full}" if name != "num_stages"
-                             else f"num_stages={value!r}: expected a positive integer")
+    for name, value, full in (("b_k", b_k, dk), ("b_v", b_v, v_span), ("v_span", v_span, dv)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1) or full % value:
+            raise ValueError(f"{name}={value!r}: expected a power of two dividing {full}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}: expected a positive integer")
     tree = res.tree
     grid = ((dv // v_span) * (dk // b_k), hv, tree.num_requests)
     tree_commit_kernel[grid](

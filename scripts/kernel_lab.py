@@ -259,41 +259,47 @@ def factored(out_path: str):
         cases, configs = [("tiny", 2, 20)], [KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 2)]
     rows, best = [], {}
 
-    def record(bench, name, config, verify, check=True):
-        c = bench.case
-        try:
-            err = bench.error(verify, config) if check else None
-            timing, _ = bench.time_verify(verify, config, repeats=15)
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
-            print(f"{c.shape} B={c.batch:<3} T={c.tree_size:<4} {name:<10} {label(config):<12} FAILED {str(exc)[:150]}")
-            rows.append({"model": str(c.shape), "batch": c.batch, "tree": c.tree_size, "variant": name,
-                         "config": label(config), "error": str(exc)[:300]})
-            return None
-        rows.append({"model": str(c.shape), "batch": c.batch, "tree": c.tree_size, "variant": name,
-                     "config": label(config), "p50_us": round(timing.p50_us, 2), "rel_error": err})
-        print(f"B={c.batch:<3} T={c.tree_size:<4} {name:<10} {label(config):<12} {timing.p50_us:8.2f} us"
-              + (f"  err {err:.1e}" if err is not None else ""), flush=True)
-        return timing.p50_us if err is None or err <= 1e-2 else None
-
     fused = functools.partial(tree_verify, variant="fused")
     for model, batch, size in cases:
         bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
         first = (model, batch, size) == cases[0]
-        record(bench, "fused", configs[0] if smoke else database_config(bench), fused)
+        record(rows, bench, "fused", configs[0] if smoke else database_config(bench), fused)
         ranked = [KernelConfig(*map(int, c.split("/"))) for c, _ in sorted(best.items(), key=lambda kv: kv[1])[:8]]
         for config in configs if first else ranked:
-            t = record(bench, "factored", config, fm.tree_verify)
+            t = record(rows, bench, "factored", config, fm.tree_verify)
             if t is not None and first:
                 best[label(config)] = t
         if first and not smoke and best:
             top = ranked[0] if ranked else KernelConfig(*map(int, min(best, key=best.get).split("/")))
-            record(bench, "f-only", top, functools.partial(fm.tree_verify, stages="f"), check=False)
-            record(bench, "v-only", top, functools.partial(fm.tree_verify, stages="v"), check=False)
+            record(rows, bench, "f-only", top, functools.partial(fm.tree_verify, stages="f"), check=False)
+            record(rows, bench, "v-only", top, functools.partial(fm.tree_verify, stages="v"), check=False)
             for warps in (4, 8, 16):
-                record(bench, f"fwarps{warps}", top, functools.partial(fm.tree_verify, factor_launch=warps))
+                record(rows, bench, f"fwarps{warps}", top, functools.partial(fm.tree_verify, factor_launch=warps))
         if (model, batch, size) == ("qwen3.5-9b", 16, 64) or smoke:
             commit_lab(bench, rows, smoke)
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def record(rows, bench, name, config, verify, check=True, model=None) -> float | None:
+    """Check (unless ``check`` is False), time and print one variant at one case; append its row.
+
+    Returns the p50 in us, or None when it failed to run or its error is above `accepted_error`."""
+    from bole_tune.bench import accepted_error
+
+    c = bench.case
+    row = {"model": model or str(c.shape), "batch": c.batch, "tree": c.tree_size, "variant": name,
+           "config": label(config)}
+    where = f"{row['model']:<18} B={c.batch:<3} T={c.tree_size:<4} {name:<10} {label(config):<12}"
+    try:
+        err = bench.error(verify, config) if check else None
+        timing, _ = bench.time_verify(verify, config, repeats=15)
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+        print(f"{where} FAILED {str(exc)[:150]}")
+        rows.append({**row, "error": str(exc)[:300]})
+        return None
+    rows.append({**row, "p50_us": round(timing.p50_us, 2), "rel_error": err})
+    print(f"{where} {timing.p50_us:8.2f} us" + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+    return timing.p50_us if err is None or err <= accepted_error(c.dtype) else None
 
 
 def database_config(bench) -> KernelConfig:
@@ -459,19 +465,9 @@ def resident(out_path: str):
                 ("factored", configs[0] if smoke else KernelConfig(64, 64, 4, 2))]
         plan += [("resident", c) for c in (configs if first else ranked)]
         for name, config in plan:
-            try:
-                err = bench.error(variants[name], config)
-                timing, _ = bench.time_verify(variants[name], config, repeats=15)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
-                print(f"{model:<18} B={batch:<3} T={size:<4} {name:<9} {label(config):<12} FAILED {str(exc)[:150]}")
-                continue
-            row = {"model": model, "batch": batch, "tree": size, "variant": name, "config": label(config),
-                   "p50_us": round(timing.p50_us, 2), "rel_error": err}
-            if name == "resident" and err <= 1e-2 and first:
-                best[label(config)] = timing.p50_us
-            rows.append(row)
-            print(f"{model:<18} B={batch:<3} T={size:<4} {name:<9} {label(config):<12} {timing.p50_us:8.2f} us"
-                  f"  err {err:.1e}", flush=True)
+            t = record(rows, bench, name, config, variants[name], model=model)
+            if name == "resident" and t is not None and first:
+                best[label(config)] = t
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 

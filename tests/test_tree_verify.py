@@ -290,8 +290,7 @@ def test_resident_falls_back_to_fused_for_a_failing_config(device, monkeypatch):
     monkeypatch.setattr(tv, "check_resident", lambda *args: calls.append(args) or (1.4e-2, 5e-3))
     monkeypatch.setattr(tv, "_RESIDENT_CHECKS", {})
     launched = []
-    monkeypatch.setattr(tv, "_launch_fused", lambda *a, _f=tv._launch_fused: launched.append("fused") or _f(*a))
-    monkeypatch.setattr(tv, "_launch_resident", lambda *a, _f=tv._launch_resident: launched.append("resident") or _f(*a))
+    monkeypatch.setattr(tv, "_launch", lambda variant, *a, _f=tv._launch: launched.append(variant) or _f(variant, *a))
     original = tv.resident_config_ok
 
     def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev):
