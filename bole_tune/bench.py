@@ -93,16 +93,22 @@ class CaseBench:
     def launch_kwargs(self, verify, config: KernelConfig | None, variant: str | None = None) -> dict:
         """Keyword arguments that make ``verify`` run this case's kernel and config.
 
-        For `tree_verify` the config (``None``: the database's for this case) and the kernel variant
-        are resolved for the full case and passed explicitly, so the reference check, which runs on a
-        smaller batch, checks exactly the kernel and config that are timed.
+        For `tree_verify` the config (``None``: the database's for this case), the kernel variant and
+        the resident kernel's value split are resolved for the full case and passed explicitly, so the
+        reference check, which runs on a smaller batch, checks exactly the kernel and launch that are timed.
         """
         from bole_tune.kernels import tree_verify
 
         if verify is not tree_verify:
             return {"config": config} if config is not None else {}
+        from bole_tune.database import batch_bucket
+        from bole_tune.kernels.tree_verify_resident import resident_split
+
         config, variant = self.launch(config, variant)
-        return {"config": config, "variant": variant}
+        c = self.case
+        # the resident kernel's value split follows the batch: pinned to the full case's, as is the kernel
+        v_split = resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v)
+        return {"config": config, "variant": variant, "v_split": v_split}
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None) -> tuple[KernelConfig, str]:
         """(config, kernel variant) `tree_verify` runs for this case; ``None``: as tree_verify decides."""

@@ -2,7 +2,7 @@
 
 Tuning on a GPU is dominated by compile time (each config is its own kernel), not by timing. Worker
 processes compile candidates in parallel by running tree_verify once on a one-request instance with
-exactly the launch's specialisation (same kernel variant, head sizes, dtype and node block); the
+exactly the launch's specialisation (same kernel variant, head sizes, dtype, node block and value split); the
 tuner's own launches then load the cached binaries. Failures are ignored here: the tuner meets them again and records them.
 """
 
@@ -23,13 +23,17 @@ def _compile(key_dict: dict, configs: list[tuple], variant: str = "fused") -> in
     from bole_tune.kernels import tree_verify
     from bole_tune.workloads import make_inputs, make_tree
 
+    from bole_tune.kernels.tree_verify_resident import resident_split
+
     key = ShapeKey.from_dict(key_dict)
     tree = make_tree([key.tree_bucket], device="cuda")
     x = make_inputs(tree, key.hk, key.hv, key.dk, key.dv, DTYPES[key.dtype], "cuda")
     done = 0
     for values in configs:
-        try:
-            tree_verify(*x.args(tree), config=KernelConfig(*values), validate=False, variant=variant)
+        config = KernelConfig(*values)
+        try:  # the value split of the key's batch, not of this one-request instance
+            tree_verify(*x.args(tree), config=config, validate=False, variant=variant,
+                        v_split=resident_split(key.batch_bucket, key.hv, key.dv, config.b_v))
             torch.cuda.synchronize()
             done += 1
         except Exception:  # recorded by the tuner when it meets the config
@@ -50,7 +54,9 @@ def precompile(keys: list[ShapeKey], configs: list[KernelConfig], workers: int |
     distinct = {}
     for key in keys:  # kernels are specialised on head sizes, dtype and node block, not on batch or heads
         variant = pick_variant(key.batch_bucket, key.hv, key.tree_bucket)
-        distinct.setdefault((variant, key.dk, key.dv, key.dtype, node_block(key.tree_bucket)), (key, variant))
+        # but for the resident kernel's value split, which follows (batch bucket x heads)
+        split_on = key.batch_bucket * key.hv if variant == "resident" else 0
+        distinct.setdefault((variant, key.dk, key.dv, key.dtype, node_block(key.tree_bucket), split_on), (key, variant))
     workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
     tasks = []
     for key, variant in distinct.values():

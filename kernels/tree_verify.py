@@ -36,7 +36,7 @@ from bole_tune.config import KernelConfig, node_block
 from bole_tune.database import batch_bucket
 from bole_tune.tree import TreeBatch
 from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
-from .tree_verify_resident import RESIDENT_MAX_NODES, tree_verify_resident_kernel
+from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, tree_verify_resident_kernel
 
 VARIANTS = ("fused", "resident")
 # the resident kernel runs one program per (request, head): it needs this many to fill an H200 and
@@ -77,7 +77,7 @@ _RESIDENT_CHECKS: dict[tuple, bool] = {}
 
 
 def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtype, use_qk_l2norm: bool,
-                       device: torch.device) -> bool:
+                       device: torch.device, v_split: int = 1) -> bool:
     """Whether the resident kernel computes correctly with ``config`` for this specialisation.
 
     Triton 3.6 miscompiles a few of the resident kernel's configs on the H200 (b_k <= 32 with 3 or
@@ -89,22 +89,22 @@ def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtyp
     """
     if device.type != "cuda":
         return True  # the CPU interpreter runs the kernel's semantics, not a compiled binary
-    key = (config, b_t, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, gate_dtype, use_qk_l2norm, device)
+    key = (config, b_t, v_split, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, gate_dtype, use_qk_l2norm, device)
     ok = _RESIDENT_CHECKS.get(key)
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        error, tolerance = check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device)
+        error, tolerance = check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split)
         ok = _RESIDENT_CHECKS[key] = error <= tolerance
         if not ok:
-            warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {config} at "
-                          f"{b_t}-row trees on {torch.cuda.get_device_name(device)} (relative error {error:.1e} "
+            warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {config} "
+                          f"(value split {v_split}) at {b_t}-row trees on {torch.cuda.get_device_name(device)} (relative error {error:.1e} "
                           f"against the float64 reference; a Triton miscompile); running the fused kernel "
                           f"for this config instead", stacklevel=3)
     return ok
 
 
-def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device) -> tuple[float, float]:
+def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split=1) -> tuple[float, float]:
     """(relative error, allowed error) of the resident kernel on one random ``b_t``-node request."""
     from bole_tune.bench import accepted_error
     from bole_tune.workloads import make_inputs, make_tree, relative_error
@@ -118,7 +118,7 @@ def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, devic
     res = result_buffers(one, q_dtype, device, tree, None)
     strides = (x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1), x.v.stride(0), x.v.stride(1))
     _launch("resident", x.q, x.k, x.v, x.g, x.beta, x.state, x.state_indices, tree, one, res, config,
-            use_qk_l2norm, strides)
+            use_qk_l2norm, strides, v_split)
     ref = verify_reference(*x.args(tree), use_qk_l2norm=use_qk_l2norm, keep_states=False)
     # correct configs land near 2e-3 with 16-bit inputs, the miscompiled ones at 1.4e-2
     return relative_error(res.o, ref.o), accepted_error(q_dtype)
@@ -270,7 +270,8 @@ def tree_verify_fwd_kernel(
 
 def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
                 config: KernelConfig | None = None, validate: bool | None = None,
-                out: TreeVerifyResult | None = None, variant: str | None = None) -> TreeVerifyResult:
+                out: TreeVerifyResult | None = None, variant: str | None = None,
+                v_split: int | None = None) -> TreeVerifyResult:
     """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
 
     Args:
@@ -285,6 +286,8 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head)
             or None: with ``config=None`` the kernel the database's config was tuned on, else
             `pick_variant` by batch and tree size. Both give the same results.
+        v_split: the resident kernel's programs per head (a power of two, at most ``dv / b_v``); None:
+            `resident_split` of the batch's bucket (what the tuner timed). Ignored by the fused kernel.
 
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
@@ -308,23 +311,34 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     k, sk_n, sk_h = token_head_strides(k)
     v, sv_n, sv_h = token_head_strides(v)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
+    if v_split is None:
+        v_split = resident_split(batch_bucket(shape.num_requests), shape.hv, shape.dv, config.b_v)
+    elif not (isinstance(v_split, int) and v_split >= 1 and v_split & (v_split - 1) == 0
+              and v_split * config.b_v <= shape.dv):
+        raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {shape.dv} "
+                         f"(b_v = {config.b_v}), got {v_split!r}")
     if variant == "resident" and not resident_config_ok(config, node_block(tree.max_tree_size), shape, q.dtype,
-                                                        g.dtype, bool(use_qk_l2norm), q.device):
+                                                        g.dtype, bool(use_qk_l2norm), q.device, v_split):
         variant = "fused"
     _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, config, bool(use_qk_l2norm),
-            (sq_n, sq_h, sk_n, sk_h, sv_n, sv_h))
+            (sq_n, sq_h, sk_n, sk_h, sv_n, sv_h), v_split)
     return res
 
 
-def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, config, use_qk_l2norm, strides):
-    """Launch one of the two kernels; they take the same arguments but for the fused one's block table width."""
+def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, config, use_qk_l2norm, strides,
+            v_split=None):
+    """Launch one of the two kernels; they take the same arguments but for the fused one's block table width
+    and the resident one's value split (``v_split``; None: `resident_split` of the batch)."""
     hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
     b_t = node_block(tree.max_tree_size)
     block_depth, max_blocks = tree.block_depths(b_t)
     if variant == "resident":
-        kernel, blocks = tree_verify_resident_kernel[(hv, shape.num_requests)], ()
+        if v_split is None:
+            v_split = resident_split(batch_bucket(shape.num_requests), hv, dv, config.b_v)
+        kernel, extra = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)], {"V_SPLIT": v_split}
+        blocks = ()
     else:
-        kernel, blocks = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,)
+        kernel, blocks, extra = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,), {}
     kernel(
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
@@ -332,7 +346,7 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
         shape.scale, *blocks, hv, hk, *strides,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v,
+        D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v, **extra,
         USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -29,6 +29,21 @@ import triton
 import triton.language as tl
 
 RESIDENT_MAX_NODES = 64
+# split a head's value rows over more programs until a launch has this many (an H200 runs two
+# resident programs per SM: 132 SMs x 2 x ~2 waves)
+RESIDENT_TARGET_PROGRAMS = 512
+
+
+def resident_split(batch_bucket: int, hv: int, dv: int, b_v: int) -> int:
+    """How many programs share one head's value rows: 1 at large batches, up to ``dv / b_v`` at small.
+
+    Each part recomputes the head's factors (``T^3``) and streams ``dv / parts`` rows of ``S_pre``.
+    Decided on the batch's bucket, so a tuned config always runs with the split it was tuned with.
+    """
+    parts = 1
+    while 2 * parts * b_v <= dv and batch_bucket * hv * 2 * parts <= RESIDENT_TARGET_PROGRAMS:
+        parts *= 2
+    return parts
 
 
 @triton.jit(do_not_specialize=["H_V", "H_K"])
@@ -46,15 +61,19 @@ def tree_verify_resident_kernel(
     stride_s_slot, stride_s_h, stride_s_v,
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
 ):
-    i_h = tl.program_id(0).to(tl.int64)
+    # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
+    i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
+    i_part = tl.program_id(0).to(tl.int64) % V_SPLIT
     i_r = tl.program_id(1).to(tl.int64)
     i_hk = i_h // (H_V // H_K)
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-    write_keys = i_h % (H_V // H_K) == 0
+    # one program per key head writes the keys and their scales, the first part of each head logP
+    write_keys = (i_h % (H_V // H_K) == 0) & (i_part == 0)
 
     o_i = tl.arange(0, B_T)
     m_i = o_i < num_nodes
@@ -103,13 +122,13 @@ def tree_verify_resident_kernel(
     b_decay = tl.exp(b_logp)
     a_q = b_decay * r_q
     a_k = b_decay * r_k
-    tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i)
+    tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i & (i_part == 0))
     tl.store(k_scale_ptr + rows * H_K + i_hk, r_k, mask=m_i & write_keys)
 
     # 2. stream S_pre one value tile at a time: R' = V - a_k (K S^T), U = W R', O = a_q (Q S^T) + M R'
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
-    for i_v in range(0, D_V, B_V):
-        o_v = i_v + tl.arange(0, B_V)
+    for i_v in range(0, D_V // V_SPLIT, B_V):
+        o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
         b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
         b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
         for i_k in range(0, D_K, B_K):

@@ -45,6 +45,7 @@ for stage in $stages; do
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
       BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
+    reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     resident) timeout 300 python3 scripts/kernel_lab.py --resident "$OUT/resident.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

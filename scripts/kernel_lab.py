@@ -6,6 +6,7 @@ Usage (on the GPU machine, from the repository root):
     python3 scripts/kernel_lab.py --factored OUT.json     fused against the factored experiment; commit tiles
     python3 scripts/kernel_lab.py --factored-ablation OUT.json   the factored experiment's stages patched out
     python3 scripts/kernel_lab.py --resident OUT.json     fused, factored and resident kernels across cases
+    python3 scripts/kernel_lab.py --resident-lab OUT.json the resident kernel's stages patched out; value splits
     ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
 Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
 
@@ -471,7 +472,94 @@ def resident(out_path: str):
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
+RESIDENT_SRC = ROOT / "kernels" / "tree_verify_resident.py"
+RESIDENT_PATCHES = {
+    "r-base": [],
+    "r-nosweep": [("    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n", "    for _ in range(0, 0):\n")],
+    "r-nogram": [
+        ("        b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)\n", ""),
+        ("        b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", "")],
+    "r-nostate": [
+        ("            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])\n", ""),
+        ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n",
+         "            b_qs += tl.sum(b_q.to(tl.float32), axis=1)[:, None]\n"),
+        ("            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
+         "            b_ks += tl.sum(b_k.to(tl.float32), axis=1)[:, None]\n")],
+    "r-nosolve": [
+        ("        b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)\n", "        b_u = b_r\n"),
+        ("        b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)\n",
+         "        b_o = a_q[:, None] * b_qs + b_r\n")],
+    "r-novalue": [("    for i_v in range(0, D_V // V_SPLIT, B_V):\n", "    for i_v in range(0, 0, B_V):\n")],
+}
+
+
+def resident_variant(name: str, v_split: int):
+    """A verifier that launches the resident kernel's source with patch ``name`` and a fixed value split
+    (no self-check: ablations compute wrong outputs on purpose)."""
+    text = RESIDENT_SRC.read_text()
+    for old, new in RESIDENT_PATCHES[name]:
+        assert old in text, (name, old)
+        text = text.replace(old, new)
+    kernel = load_module(text, f"rv_{name.replace('-', '_')}").tree_verify_resident_kernel
+    tv = sys.modules["bole_tune.kernels.tree_verify"]
+
+    def verify(q, k, v, g, beta, state, state_indices, tree, scale=None, use_qk_l2norm=True, config=None,
+               validate=False, out=None):
+        shape, (q2, sq_n, sq_h), (k2, sk_n, sk_h), (v2, sv_n, sv_h), res = prepare(
+            q, k, v, g, beta, state, state_indices, tree, scale, out)
+        saved, tv.tree_verify_resident_kernel = tv.tree_verify_resident_kernel, kernel
+        try:
+            tv._launch("resident", q2, k2, v2, g, beta, state, state_indices, tree, shape, res, config,
+                       bool(use_qk_l2norm), (sq_n, sq_h, sk_n, sk_h, sv_n, sv_h), v_split)
+        finally:
+            tv.tree_verify_resident_kernel = saved
+        return res
+    verify.kernel = kernel
+    return verify
+
+
+def resident_lab(out_path: str):
+    """The resident kernel's stages patched out, and its value split, against the fused kernel."""
+    from bole_tune.kernels import tree_verify
+
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = load_model("qwen3.5-9b").gdn()
+    main_configs = [KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 32, 4, 1),
+                    KernelConfig(32, 32, 4, 3), KernelConfig(64, 32, 4, 1)]
+    # (batch, tree, configs, splits, ablate): ablations at the first config and the largest split
+    cases = [(16, 64, main_configs, (1, 2), True), (1, 64, main_configs, (1, 2, 4), True),
+             (4, 64, main_configs[:4], (1, 2, 4), False), (8, 64, main_configs[:3], (1, 2), False),
+             (1, 16, main_configs[:3], (1, 2, 4), False), (4, 16, main_configs[:3], (1, 2, 4), False),
+             (16, 16, main_configs[:3], (1, 2), False), (4, 32, main_configs[:3], (1, 2, 4), False)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        shape = GDNShape(2, 4, 32, 32)
+        cases = [(2, 20, [KernelConfig(16, 16, 4, 1)], (1, 2), True)]
+    modules = {}
+    rows = []
+    for batch, size, configs, splits, ablate in cases:
+        bench = CaseBench(BenchCase(shape, batch, size, torch.bfloat16), device=device)
+        record(rows, bench, "fused-db", configs[0] if smoke else database_config(bench),
+               functools.partial(tree_verify, variant="fused"), model="qwen3.5-9b")
+        for config in configs:
+            for v_split in splits:
+                if v_split * config.b_v > shape.dv:
+                    continue
+                names = ["r-base"] + ([n for n in RESIDENT_PATCHES if n != "r-base"]
+                                      if ablate and config == configs[0] and v_split == splits[-1] else [])
+                for name in names:
+                    verify = modules.setdefault((name, v_split), resident_variant(name, v_split))
+                    record(rows, bench, f"{name}-s{v_split}", config, verify, check=name == "r-base",
+                           model="qwen3.5-9b")
+                    rows[-1]["stats"] = compiled_stats(verify.kernel)
+                    print("    ", rows[-1]["stats"], flush=True)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
 def main():
+    if sys.argv[1] == "--resident-lab":
+        return resident_lab(sys.argv[2])
     if sys.argv[1] == "--resident":
         return resident(sys.argv[2])
     if sys.argv[1] == "--factored-ablation":

@@ -102,6 +102,42 @@ def test_variant_choice():
     assert pick_variant(100, 32, 1) == "resident"
 
 
+def test_resident_split():
+    """A head's value rows go to more programs at small batches, never below one b_v tile per part."""
+    from bole_tune.kernels.tree_verify_resident import resident_split
+
+    assert resident_split(16, 32, 128, 64) == 1  # 512 programs already
+    assert resident_split(4, 32, 128, 64) == 2  # capped by dv / b_v
+    assert resident_split(4, 32, 128, 32) == 4
+    assert resident_split(1, 32, 128, 16) == 8
+    assert resident_split(8, 32, 128, 16) == 2
+    assert resident_split(32, 64, 128, 16) == 1
+
+
+@pytest.mark.parametrize("v_split", [1, 2, 4])
+def test_resident_value_split_matches_reference(device, v_split):
+    """Every split of a head's value rows over programs writes every output row, and only once each."""
+    import sys
+
+    from bole_tune.kernels.common import VerifyShape, result_buffers
+
+    tv = sys.modules["bole_tune.kernels.tree_verify"]
+    tree = make_tree([13, 1, 20], "random", seed=21, device=device)
+    x = make_inputs(tree, 2, 4, 32, 64, torch.float32, device, seed=21)
+    ref = verify_reference(*x.args(tree))
+    shape = VerifyShape(tree.num_nodes, 3, x.state.shape[0], 2, 4, 32, 64, 32 ** -0.5)
+    res = result_buffers(shape, torch.float32, torch.device(device), tree, None)
+    for buf in (res.o, res.u, res.log_decay, res.k, res.k_scale):
+        buf.fill_(float("nan"))
+    strides = (x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1), x.v.stride(0), x.v.stride(1))
+    tv._launch("resident", x.q, x.k, x.v, x.g, x.beta, x.state, x.state_indices, tree, shape, res,
+               KernelConfig(16, 16, 4, 1), True, strides, v_split)
+    assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
+    for name in ("u", "log_decay", "k", "k_scale"):
+        assert torch.isfinite(getattr(res, name)).all(), f"{name} has unwritten entries at v_split={v_split}"
+    assert torch.equal(res.k, x.k)
+
+
 def test_resident_refuses_large_trees(device):
     tree = make_tree([65, 3], "random", seed=11, device=device)
     x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=11)
@@ -293,9 +329,9 @@ def test_resident_falls_back_to_fused_for_a_failing_config(device, monkeypatch):
     monkeypatch.setattr(tv, "_launch", lambda variant, *a, _f=tv._launch: launched.append(variant) or _f(variant, *a))
     original = tv.resident_config_ok
 
-    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev):
-        return original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, torch.device("cuda", 0)) \
-            if dev.type == "cpu" else original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev)
+    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev, v_split):
+        return original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm,
+                        torch.device("cuda", 0) if dev.type == "cpu" else dev, v_split)
 
     monkeypatch.setattr(tv, "resident_config_ok", as_on_a_gpu)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
