@@ -26,7 +26,7 @@ for stage in $stages; do
         -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
     validate) timeout 110 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
         | tail -12 | tee -a "$LOG" ;;
-    gputests) timeout 70 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident" \
+    gputests) timeout 170 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
     exhaustive)
@@ -45,6 +45,7 @@ for stage in $stages; do
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
       BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
+    rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     resident) timeout 300 python3 scripts/kernel_lab.py --resident "$OUT/resident.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
