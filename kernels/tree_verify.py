@@ -33,25 +33,30 @@ import triton
 import triton.language as tl
 
 from bole_tune.config import KernelConfig, node_block
-from bole_tune.database import batch_bucket
+from bole_tune.database import batch_bucket, tree_bucket
 from bole_tune.tree import TreeBatch
 from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
 from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, tree_verify_resident_kernel
 
 VARIANTS = ("fused", "resident")
-# the resident kernel runs one program per (request, head): it needs this many to fill an H200 and
-# then beats the fused kernel by 1.3-1.4x; below, the fused kernel's dv / b_v programs per head win
-# (H200 measurements, BENCHMARKS.md)
+# the resident kernel runs one program per (request, head): it needs enough of them to fill an H200.
+# Measured there (9B, bf16; BENCHMARKS.md): from 512 (batch bucket x heads) it beats the fused kernel
+# (B=16 T=64: 63 against 87 us; T=16: 23 against 26 us); from 256 only on trees of more than 32 nodes
+# (B=8 T=64: 32 against 45 us, but B=8 T=8: 13.5 against 12.1 us); below, the fused kernel's dv / b_v
+# programs per head win (B=4 T=64: 25 against 24 us, B=1 T=64: 17 against 16 us).
 RESIDENT_MIN_HEADS = 512
+RESIDENT_MIN_HEADS_LARGE_TREES = 256
 
 
 def pick_variant(num_requests: int, hv: int, max_tree_size: int) -> str:
     """The kernel ``tree_verify(variant=None)`` runs: "resident" or "fused".
 
-    Decided on the batch's bucket (`bole_tune.database.batch_bucket`), not its exact size, so a
+    Decided on the batch's and the tree's buckets (`bole_tune.database`), not their exact sizes, so a
     tuned config is always launched on the kernel it was tuned for.
     """
-    if max_tree_size <= RESIDENT_MAX_NODES and batch_bucket(num_requests) * hv >= RESIDENT_MIN_HEADS:
+    heads, size = batch_bucket(num_requests) * hv, tree_bucket(max_tree_size)
+    if max_tree_size <= RESIDENT_MAX_NODES and (heads >= RESIDENT_MIN_HEADS or
+                                                (heads >= RESIDENT_MIN_HEADS_LARGE_TREES and size > 32)):
         return "resident"
     return "fused"
 

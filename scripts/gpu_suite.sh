@@ -43,7 +43,7 @@ for stage in $stages; do
     explore) python3 scripts/explore_configs.py "$OUT/explore.json" 2>&1 | tail -50 | tee -a "$LOG" ;;
     grid-*)  # the full grid of one model into $OUT's copy of the shipped database, e.g. grid-qwen3.5-9b
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
-      BOLE_TUNE_DB="$OUT" timeout 290 bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
+      BOLE_TUNE_DB="$OUT" timeout ${GRID_TIMEOUT:-290} bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
     rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;

@@ -13,7 +13,7 @@ import torch
 from bole_tune import KernelConfig, TreeBatch
 from bole_tune.kernels import serial_verify, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
-from bole_tune.kernels.tree_verify import RESIDENT_MIN_HEADS, pick_variant
+from bole_tune.kernels.tree_verify import RESIDENT_MIN_HEADS, RESIDENT_MIN_HEADS_LARGE_TREES, pick_variant
 from bole_tune.workloads import make_inputs, make_tree, tree_parents
 from conftest import requires_gpu
 from helpers import TOLERANCE, assert_close, poisoned_out
@@ -91,11 +91,15 @@ def test_tree_verify_matches_reference(device, case, variant):
 
 
 def test_variant_choice():
-    """The resident kernel from 512 (request bucket x head) pairs up and for trees of at most 64 nodes."""
-    assert RESIDENT_MIN_HEADS == 512
+    """The resident kernel from 512 (request bucket x head) pairs up, from 256 for trees of more than
+    32 nodes, and only for trees of at most 64 nodes."""
+    assert (RESIDENT_MIN_HEADS, RESIDENT_MIN_HEADS_LARGE_TREES) == (512, 256)
     assert pick_variant(16, 32, 64) == "resident"
     assert pick_variant(12, 32, 64) == "resident"  # batch bucket 16: the bucket's tuned config is for it
-    assert pick_variant(8, 32, 64) == "fused"
+    assert pick_variant(8, 32, 64) == "resident"
+    assert pick_variant(8, 32, 33) == "resident"
+    assert pick_variant(8, 32, 32) == "fused"
+    assert pick_variant(4, 32, 64) == "fused"
     assert pick_variant(16, 32, 65) == "fused"
     assert pick_variant(8, 64, 8) == "resident"
     assert pick_variant(1, 32, 64) == "fused"
@@ -107,10 +111,11 @@ def test_resident_split():
     from bole_tune.kernels.tree_verify_resident import resident_split
 
     assert resident_split(16, 32, 128, 64) == 1  # 512 programs already
-    assert resident_split(4, 32, 128, 64) == 2  # capped by dv / b_v
-    assert resident_split(4, 32, 128, 32) == 4
-    assert resident_split(1, 32, 128, 16) == 8
-    assert resident_split(8, 32, 128, 16) == 2
+    assert resident_split(4, 32, 128, 32) == 1  # 128
+    assert resident_split(2, 32, 128, 32) == 2
+    assert resident_split(1, 32, 128, 64) == 2  # capped by dv / b_v
+    assert resident_split(1, 32, 128, 16) == 4
+    assert resident_split(1, 8, 128, 16) == 8
     assert resident_split(32, 64, 128, 16) == 1
 
 
