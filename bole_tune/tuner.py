@@ -111,7 +111,8 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     default = default_config(key.dk, key.dv)
     if not study.trials:
         study.set_user_attr("key", key.as_dict())
-        for config in [default] + [c for c in warm_start if c != default]:
+        starts = [default] + list(warm_start) + kernel_starts(key)
+        for config in dict.fromkeys(starts):  # in order, once each
             if all(v in values for v, values in zip(_params(config).values(), _space_lists(space))):
                 study.enqueue_trial(_params(config), skip_if_exists=True)
     measured: dict = {}
@@ -277,6 +278,20 @@ def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResul
         if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
             best, best_m = config, m
     return TuneResult(key, name, best, best_m, default, default_m, counts, sorted(workers))
+
+
+# the resident kernel's best tiles in the H200 lab (scripts/kernel_lab.py --resident/--resident-cand,
+# 9B/27B/122B at B=8-32, T=64): a 16-trial study seeded only with fused-kernel neighbours missed them
+RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1))
+
+
+def kernel_starts(key: ShapeKey) -> list[KernelConfig]:
+    """Configs a study starts with for the kernel this bucket runs on (beside default and neighbours)."""
+    from bole_tune.kernels.tree_verify import pick_variant
+
+    if pick_variant(key.batch_bucket, key.hv, key.tree_bucket) != "resident":
+        return []
+    return [c for c in RESIDENT_STARTS if c.fits(key.dk, key.dv)]
 
 
 def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:

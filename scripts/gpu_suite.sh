@@ -47,6 +47,11 @@ for stage in $stages; do
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
     rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
+    retune-*)  # re-tune some buckets of one model into $OUT's database: RETUNE_BATCH=8,16 RETUNE_TREE=64
+      [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
+      BOLE_TUNE_DB="$OUT" timeout ${RETUNE_TIMEOUT:-120} bole-tune tune --model "${stage#retune-}" --trials 16 \
+        --repeats 10 --batch "${RETUNE_BATCH:-16}" --tree-size "${RETUNE_TREE:-64}" \
+        --storage "sqlite:///$OUT/retune.sqlite3" 2>&1 | grep -v "━" | tail -20 | tee -a "$LOG" ;;
     resident) timeout 300 python3 scripts/kernel_lab.py --resident "$OUT/resident.json" 2>&1 | tail -60 | tee -a "$LOG" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

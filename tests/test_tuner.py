@@ -23,7 +23,7 @@ def synthetic_cost(c: KernelConfig) -> float:
             + 4 * abs(c.num_stages - 2) + 3 * abs(math.log2(c.b_k / 64)))
 
 
-def write_recording(path, wrong=(), infeasible=()):
+def write_recording(path, wrong=(), infeasible=(), key=KEY):
     measurements = {}
     for c in SPACE.configs():
         text = config_text(c)
@@ -34,7 +34,7 @@ def write_recording(path, wrong=(), infeasible=()):
         else:
             t = synthetic_cost(c)
             m = Measurement("ok", t - 0.5, t, t + 0.5, 1e-3, method="replay")
-        measurements.setdefault(KEY.text, {})[text] = m.as_dict()
+        measurements.setdefault(key.text, {})[text] = m.as_dict()
     path.write_text(json.dumps({"device": {"slug": "replay-gpu", "name": "Replay GPU"}, "measurements": measurements}))
     return path
 
@@ -73,14 +73,15 @@ def test_polish_phase_walks_from_the_samplers_best_to_its_best_neighbour(tmp_pat
             measured_texts.append(config_text(config))
             return super().measure(key, config)
 
-    runner = Logged(write_recording(tmp_path / "rec.json"))
+    fused_key = ShapeKey(32, 16, 128, 128, "bf16", 128, 16)  # no kernel-specific starting configs
+    runner = Logged(write_recording(tmp_path / "rec.json", key=fused_key))
     default = KernelConfig(64, 32, 4, 2)
     with warnings.catch_warnings():  # PartialFixedSampler is marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         stuck = optuna.samplers.PartialFixedSampler(
             {"b_k": 64, "b_v": 32, "num_warps": 4, "num_stages": 2}, optuna.samplers.RandomSampler(seed=0))
-    result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 32, "replay-gpu", sampler=stuck)
-    neighbours = [c for c in step_neighbours(default, SPACE) if feasible(c, 128, 128, 64, "bf16")[0]]
+    result = tune_bucket(runner, fused_key, SPACE, storage(tmp_path), 32, "replay-gpu", sampler=stuck)
+    neighbours = [c for c in step_neighbours(default, SPACE) if feasible(c, 128, 128, 128, "bf16")[0]]
     # the default, then its 7 neighbours, then the walk goes on from the best of them with what is left
     assert result.counts["measured"] == 1 + polish_trials(32) == 9
     assert {config_text(c) for c in neighbours} <= set(measured_texts)
@@ -163,3 +164,22 @@ def test_bad_recording_is_refused(tmp_path):
     path.write_text(json.dumps({"measurements": {KEY.text: {"64/32/4/2": {"status": "fast"}}}}))
     with pytest.raises(ValueError, match="status"):
         ReplayRunner(path)
+
+
+def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
+    """A bucket that runs on the resident kernel seeds its study with that kernel's lab-best tiles."""
+    from bole_tune.tuner import RESIDENT_STARTS, kernel_starts
+
+    resident = ShapeKey(32, 16, 128, 128, "bf16", 64, 16, 1)
+    fused = ShapeKey(32, 16, 128, 128, "bf16", 128, 16, 1)
+    assert kernel_starts(resident) == list(RESIDENT_STARTS) and kernel_starts(fused) == []
+    measured = []
+
+    class Logged(ReplayRunner):
+        def measure(self, key, config):
+            measured.append(config)
+            return super().measure(key, config)
+
+    tune_bucket(Logged(write_recording(tmp_path / "rec.json")), resident, SPACE, storage(tmp_path),
+                1 + len(RESIDENT_STARTS), "replay-gpu")
+    assert measured[1:] == list(RESIDENT_STARTS), measured
