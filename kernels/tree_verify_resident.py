@@ -19,8 +19,10 @@ programs need every register of an SM. Here the work is split where the math spl
        R' = V - a_k (K S_pre^T)      U = W R'      O = a_q (Q S_pre^T) + M R'
 
 The sweeps cost ``T^3`` per head instead of ``T^2 dv`` and nothing ``T x T`` leaves the SM. With one
-program per head it needs many heads to fill a GPU: `tree_verify` picks it from 512 (request, head)
-pairs up (measured on the H200, BENCHMARKS.md) and the fused kernel below that.
+program per head it needs many heads to fill a GPU: `pick_variant` takes it from 512 (request, head)
+pairs up, from 256 for trees of more than 32 nodes (measured on the H200, BENCHMARKS.md), and the fused
+kernel below that. Where a launch would have fewer than 128 programs, `resident_split` gives each head's
+value rows to 2 or more programs (each recomputes the factors).
 """
 
 from __future__ import annotations
