@@ -121,6 +121,27 @@ class CaseBench:
                             c.shape.dk ** -0.5)
         return resolve_launch(shape, c.dtype, tree, self.device, config, variant)
 
+    def resident_check(self, config: KernelConfig | None = None) -> tuple[float, float] | None:
+        """(error, allowed) of the resident kernel's runtime self-check for this case's launch with
+        ``config``, or None when the case runs on the fused kernel (or on the CPU, where no binary exists).
+
+        `tree_verify` runs a config that fails this check on the fused kernel instead; the tuner uses it
+        so that a config recorded for the resident kernel really runs there.
+        """
+        from bole_tune.config import node_block
+        from bole_tune.database import batch_bucket
+        from bole_tune.kernels.common import VerifyShape
+        from bole_tune.kernels.tree_verify import check_resident
+        from bole_tune.kernels.tree_verify_resident import resident_split
+
+        config, variant = self.launch(config)
+        if variant != "resident" or self.device.type != "cuda":
+            return None
+        c = self.case
+        shape = VerifyShape(0, c.batch, 1, c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, c.shape.dk ** -0.5)
+        return check_resident(config, node_block(c.tree_size), shape, c.dtype, torch.float32, True, self.device,
+                              resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v))
+
     # correctness ------------------------------------------------------------------------------
     def reference(self):
         if self._reference is None:

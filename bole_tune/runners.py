@@ -84,6 +84,11 @@ class GPURunner:
         bench = self.bench(key)
         bench.reference()  # the harness itself must not fail inside the guarded region below
         try:
+            check = bench.resident_check(config)
+            if check is not None and not check[0] <= check[1]:  # tree_verify would run the fused kernel
+                return Measurement("wrong", rel_error=check[0],
+                                   message=f"the resident kernel's self-check: relative error {check[0]:.2e} "
+                                           f"(a Triton miscompile); tree_verify runs the fused kernel for it")
             error = bench.error(tree_verify, config)
             if not error <= accepted_error(DTYPES[key.dtype]):
                 return Measurement("wrong", rel_error=error,

@@ -183,3 +183,16 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
     tune_bucket(Logged(write_recording(tmp_path / "rec.json")), resident, SPACE, storage(tmp_path),
                 1 + len(RESIDENT_STARTS), "replay-gpu")
     assert measured[1:] == list(RESIDENT_STARTS), measured
+
+
+def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeypatch):
+    """tree_verify runs such a config on the fused kernel; the tuner must not record it as a resident one."""
+    from bole_tune.bench import CaseBench
+    from bole_tune.runners import GPURunner
+
+    key = ShapeKey(2, 1, 32, 32, "fp32", 8, 1)
+    runner = GPURunner("cpu", repeats=1)
+    assert runner.bench(key).resident_check(KernelConfig(16, 16, 4, 1)) is None  # CPU: no compiled binary
+    monkeypatch.setattr(CaseBench, "resident_check", lambda self, config=None: (1.3e-2, 5e-3))
+    m = runner.measure(key, KernelConfig(16, 16, 4, 1))
+    assert m.status == "wrong" and m.rel_error == 1.3e-2 and "self-check" in m.message, m
