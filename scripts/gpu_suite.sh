@@ -46,6 +46,7 @@ for stage in $stages; do
       BOLE_TUNE_DB="$OUT" timeout ${GRID_TIMEOUT:-290} bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
     rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
+    tunercheck) timeout 120 python3 scripts/check_tuner_resident.py 2>&1 | grep -v Warn | tail -8 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     retune-*)  # re-tune some buckets of one model into $OUT's database: RETUNE_BATCH=8,16 RETUNE_TREE=64
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
