@@ -22,9 +22,8 @@ def _compile(key_dict: dict, configs: list[tuple], variant: str = "fused") -> in
 
     from bole_tune.bench import DTYPES
     from bole_tune.kernels import tree_verify
-    from bole_tune.workloads import make_inputs, make_tree
-
     from bole_tune.kernels.tree_verify_resident import resident_split
+    from bole_tune.workloads import make_inputs, make_tree
 
     key = ShapeKey.from_dict(key_dict)
     tree = make_tree([key.tree_bucket], device="cuda")

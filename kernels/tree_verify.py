@@ -300,6 +300,9 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
+    if v_split is not None and not (isinstance(v_split, int) and not isinstance(v_split, bool) and v_split >= 1
+                                    and v_split & (v_split - 1) == 0):
+        raise ValueError(f"v_split: expected a power of two (programs per head) or None, got {v_split!r}")
     if variant == "resident" and tree.max_tree_size > RESIDENT_MAX_NODES:
         raise ValueError(f"variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
                          f"this batch has a tree of {tree.max_tree_size}")
@@ -318,8 +321,7 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     res = result_buffers(shape, q.dtype, q.device, tree, out)
     if v_split is None:
         v_split = resident_split(batch_bucket(shape.num_requests), shape.hv, shape.dv, config.b_v)
-    elif not (isinstance(v_split, int) and v_split >= 1 and v_split & (v_split - 1) == 0
-              and v_split * config.b_v <= shape.dv):
+    elif v_split * config.b_v > shape.dv:
         raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {shape.dv} "
                          f"(b_v = {config.b_v}), got {v_split!r}")
     if variant == "resident" and not resident_config_ok(config, node_block(tree.max_tree_size), shape, q.dtype,

@@ -143,6 +143,14 @@ def test_resident_value_split_matches_reference(device, v_split):
     assert torch.equal(res.k, x.k)
 
 
+@pytest.mark.parametrize("v_split", [3, 0, 4, True, 2.0])
+def test_bad_value_split_is_refused(device, v_split):
+    tree = make_tree([9], "random", seed=5, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=5)
+    with pytest.raises(ValueError, match="v_split: expected a power of two"):
+        tree_verify(*x.args(tree), config=KernelConfig(16, 16, 4, 1), variant="resident", v_split=v_split)
+
+
 def test_resident_refuses_large_trees(device):
     tree = make_tree([65, 3], "random", seed=11, device=device)
     x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=11)
