@@ -101,14 +101,17 @@ class CaseBench:
 
         if verify is not tree_verify:
             return {"config": config} if config is not None else {}
+        config, variant = self.launch(config, variant)
+        return {"config": config, "variant": variant, "v_split": self.value_split(config)}
+
+    def value_split(self, config: KernelConfig) -> int:
+        """The resident kernel's programs per head for this case: it follows the batch, so it is pinned
+        to the full case's, as are the kernel and config."""
         from bole_tune.database import batch_bucket
         from bole_tune.kernels.tree_verify_resident import resident_split
 
-        config, variant = self.launch(config, variant)
         c = self.case
-        # the resident kernel's value split follows the batch: pinned to the full case's, as is the kernel
-        v_split = resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v)
-        return {"config": config, "variant": variant, "v_split": v_split}
+        return resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v)
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None) -> tuple[KernelConfig, str]:
         """(config, kernel variant) `tree_verify` runs for this case; ``None``: as tree_verify decides."""
@@ -129,10 +132,8 @@ class CaseBench:
         so that a config recorded for the resident kernel really runs there.
         """
         from bole_tune.config import node_block
-        from bole_tune.database import batch_bucket
         from bole_tune.kernels.common import VerifyShape
         from bole_tune.kernels.tree_verify import check_resident
-        from bole_tune.kernels.tree_verify_resident import resident_split
 
         config, variant = self.launch(config)
         if variant != "resident" or self.device.type != "cuda":
@@ -140,7 +141,7 @@ class CaseBench:
         c = self.case
         shape = VerifyShape(0, c.batch, 1, c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, c.shape.dk ** -0.5)
         return check_resident(config, node_block(c.tree_size), shape, c.dtype, torch.float32, True, self.device,
-                              resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v))
+                              self.value_split(config))
 
     # correctness ------------------------------------------------------------------------------
     def reference(self):

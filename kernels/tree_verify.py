@@ -333,15 +333,13 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
 
 
 def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, config, use_qk_l2norm, strides,
-            v_split=None):
+            v_split):
     """Launch one of the two kernels; they take the same arguments but for the fused one's block table width
-    and the resident one's value split (``v_split``; None: `resident_split` of the batch)."""
+    and the resident one's value split (``v_split`` programs per head; the fused kernel ignores it)."""
     hv, hk, dk, dv = shape.hv, shape.hk, shape.dk, shape.dv
     b_t = node_block(tree.max_tree_size)
     block_depth, max_blocks = tree.block_depths(b_t)
     if variant == "resident":
-        if v_split is None:
-            v_split = resident_split(batch_bucket(shape.num_requests), hv, dv, config.b_v)
         kernel, extra = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)], {"V_SPLIT": v_split}
         blocks = ()
     else:
