@@ -45,6 +45,24 @@ for stage in $stages; do
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
       BOLE_TUNE_DB="$OUT" timeout ${GRID_TIMEOUT:-290} bole-tune profile --model "${stage#grid-}" --trials 16 --repeats 10 \
         --storage "sqlite:///$OUT/studies.sqlite3" 2>&1 | grep -v "━" | tail -60 | tee -a "$LOG" ;;
+    ncu)  # the database's launch at 9B B=16 T=64 (resident) and tree_commit: sections and per-instruction stalls
+      timeout ${NCU_TIMEOUT:-110} ncu --clock-control none --kernel-name regex:"tree_verify_resident_kernel|tree_commit_kernel" \
+        --launch-skip 6 --launch-count 4 --import-source yes --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section SourceCounters -f -o "$OUT/ncu" python3 scripts/kernel_lab.py --ncu >"$OUT/ncu.log" 2>&1
+      tail -3 "$OUT/ncu.log" | tee -a "$LOG"
+      ncu -i "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
+      for k in tree_verify_resident_kernel tree_commit_kernel; do
+        ncu -i "$OUT/ncu.ncu-rep" --kernel-name "$k" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/ncu-$k-sass.csv.gz"
+        ncu -i "$OUT/ncu.ncu-rep" --kernel-name "$k" --page source --csv --print-source cuda 2>&1 | gzip >"$OUT/ncu-$k-src.csv.gz"
+      done
+      rm -f "$OUT/ncu.ncu-rep"
+      grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Local Memory Spilling Req" \
+        "$OUT/ncu-details.txt" | tee -a "$LOG" ;;
+    commitcand) timeout ${COMMIT_TIMEOUT:-200} python3 scripts/kernel_lab.py --commit-cand "$OUT/commit-cand.json" 2>&1 \
+        | tail -80 | tee -a "$LOG" ;;
+    rescand2) timeout ${RESCAND_TIMEOUT:-240} python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand2.json" \
+        "${RESCAND_NAMES:-r-base,d-qk32,c-bf16s}" 2>&1 | grep -v "^     regs" | tail -80 | tee -a "$LOG" ;;
     rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     tunercheck) timeout 120 python3 scripts/check_tuner_resident.py 2>&1 | grep -v Warn | tail -8 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;

@@ -8,6 +8,7 @@ Usage (on the GPU machine, from the repository root):
     python3 scripts/kernel_lab.py --resident OUT.json     fused, factored and resident kernels across cases
     python3 scripts/kernel_lab.py --resident-lab OUT.json the resident kernel's stages patched out; value splits
     python3 scripts/kernel_lab.py --resident-cand OUT.json candidate resident kernels against the shipped one
+    python3 scripts/kernel_lab.py --commit-cand OUT.json   tree_commit variants and launches, beside the copy floor
     ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
 Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
 
@@ -117,8 +118,8 @@ def ncu_case():
     tree = make_tree([64] * 16, device="cuda")
     x = make_inputs(tree, shape.hk, shape.hv, shape.dk, shape.dv, torch.bfloat16, "cuda")
     accepted = torch.full((16,), 5, dtype=torch.int32, device="cuda")
-    for _ in range(4):
-        res = tree_verify(*x.args(tree), config=KernelConfig(64, 128, 8, 2), validate=False)
+    for _ in range(8):  # the database's config (the resident kernel at this case since the fourth session)
+        res = tree_verify(*x.args(tree), validate=False)
         tree_commit(x.state, x.args(tree)[6], res, accepted, validate=False)
     torch.cuda.synchronize()
 
@@ -334,8 +335,9 @@ def commit_lab(bench, rows, smoke):
         choices = [(32, 16, 4, 32, 1), (32, 16, 4, 32, 2)]
     for b_k, b_v, warps, span, stages in choices:
         kw = dict(b_k=b_k, b_v=b_v, num_warps=warps, v_span=span, num_stages=stages)
-        expected = pool.clone()
+        pristine, expected = pool.clone(), pool.clone()
         commit_closed_form(expected, slots[0], results[0], accepted, validate=False)
+        update = (expected - pristine).norm()
         trial = pool.clone()
         tree_commit(trial, slots[0], results[0], accepted, validate=False, **kw)
         err = float((trial - expected).norm() / expected.norm())
@@ -520,15 +522,33 @@ RESIDENT_PATCHES = {
 }
 
 
-class WithArgument:
-    """A jitted kernel whose launches get one more positional argument at ``index``."""
+# the value loop's q/k tiles without the bf16 -> fp32 conversion: (diagnostic) read from fp32 copies made
+# outside the timed launches, or (candidate) the state tile rounded to the inputs' 16-bit type instead
+_QK_LOADS = [("            b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],\n",
+              "            b_q = tl.load(q32_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],\n"),
+             ("            b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],\n",
+              "            b_k = tl.load(k32_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],\n")]
+RESIDENT_PATCHES["d-qk32"] = [
+    ("    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,\n", "    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, q32_ptr, k32_ptr,\n"),
+    *_QK_LOADS]
+RESIDENT_PATCHES["c-bf16s"] = [
+    ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n"
+     "            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
+     "            b_s16 = tl.trans(b_s.to(b_q.dtype))\n"
+     "            b_qs = tl.dot(b_q, b_s16, b_qs)\n"
+     "            b_ks = tl.dot(b_k, b_s16, b_ks)\n")]
+FP32_COPIES = {}
 
-    def __init__(self, kernel, index, value):
-        self.kernel, self.index, self.value = kernel, index, value
+
+class WithArgument:
+    """A jitted kernel whose launches get more positional arguments at ``index``."""
+
+    def __init__(self, kernel, index, *values):
+        self.kernel, self.index, self.values = kernel, index, values
 
     def __getitem__(self, grid):
         launcher = self.kernel[grid]
-        return lambda *args, **kwargs: launcher(*args[:self.index], self.value, *args[self.index:], **kwargs)
+        return lambda *args, **kwargs: launcher(*args[:self.index], *self.values, *args[self.index:], **kwargs)
 
 
 def resident_variant(name: str, v_split: int):
@@ -550,6 +570,11 @@ def resident_variant(name: str, v_split: int):
             b_t = node_block(tree.max_tree_size)
             scratch = torch.empty(shape.num_requests * shape.hv * v_split * 2 * b_t * b_t, device=q.device)
             launch = WithArgument(kernel, 16, scratch)
+        if name == "d-qk32":  # fp32 copies of q and k, made once per input set (outside graph capture)
+            key = (q.data_ptr(), k.data_ptr())
+            if key not in FP32_COPIES:
+                FP32_COPIES[key] = (q.float().contiguous(), k.float().contiguous())
+            launch = WithArgument(kernel, 16, *FP32_COPIES[key])
         saved, tv.tree_verify_resident_kernel = tv.tree_verify_resident_kernel, launch
         try:
             tv._launch("resident", q2, k2, v2, g, beta, state, state_indices, tree, shape, res, config,
@@ -601,16 +626,17 @@ def resident_lab(out_path: str):
 
 
 def resident_candidates(out_path: str):
-    """Candidate resident kernels (W and M via scratch, or in fp16) against the shipped one, checked."""
+    """Candidate resident kernels against the shipped one, checked (names: argv[3], comma-separated)."""
     smoke = "--smoke" in sys.argv
     device = "cuda" if torch.cuda.is_available() else "cpu"
     models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
-    configs = [KernelConfig(*c) for c in [(32, 64, 4, 3), (64, 64, 4, 1), (64, 64, 4, 2), (32, 64, 4, 1),
-                                          (32, 32, 4, 1), (64, 32, 4, 1), (32, 64, 8, 3), (64, 64, 8, 2),
-                                          (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 4, 1), (32, 64, 4, 2)]]
-    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 8, 64), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 16, 32),
-             ("qwen3.5-27b", 16, 64), ("qwen3.5-122b-a10b", 16, 64)]
-    names = ["r-base", "c-scratch", "c-fp16"]
+    configs = [KernelConfig(*c) for c in [(32, 64, 4, 3), (64, 64, 4, 1), (64, 64, 4, 2), (32, 64, 4, 2),
+                                          (32, 32, 4, 2), (64, 128, 8, 2)]]
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 16, 16), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 16, 32),
+             ("qwen3.5-27b", 16, 64)]
+    # v1 (fourth session): r-base, c-scratch, c-fp16; v2: without the q/k conversions of the value loop
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 and not sys.argv[3].startswith("-") else \
+        ["r-base", "d-qk32", "c-bf16s"]
     if smoke:
         from bole_tune.profiles import GDNShape
         models = {"tiny": GDNShape(2, 4, 32, 32)}
@@ -629,7 +655,7 @@ def resident_candidates(out_path: str):
                 print("    ", rows[-1]["stats"], flush=True)
                 if first and t is not None:
                     best[name][label(config)] = t
-        if first:  # where the shipped kernel's time goes at its best config, one value split
+        if first and "--ablate" in sys.argv:  # where the shipped kernel's time goes at its best config
             top = min(best["r-base"], key=best["r-base"].get) if best["r-base"] else label(configs[0])
             for name in ("r-nosolve", "r-nostate", "r-nosweep"):
                 record(rows, bench, name, KernelConfig(*map(int, top.split("/"))), modules[name], check=False,
@@ -638,7 +664,98 @@ def resident_candidates(out_path: str):
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
+COMMIT_SRC = ROOT / "kernels" / "tree_commit.py"
+_COMMIT_DOT = ('                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")\n')
+COMMIT_PATCHES = {
+    "k-base": [],
+    # the path update on tensor cores: three tf32 passes (about fp32 accuracy), or one
+    "k-tf32x3": [('input_precision="ieee"', 'input_precision="tf32x3"')],
+    "k-tf32": [('input_precision="ieee"', 'input_precision="tf32"')],
+    # the next state tile's load issued before this tile's update and store (two tiles in flight)
+    "k-prefetch": [
+        ("            for i_c in range(0, V_SPAN // B_V):\n"
+         "                o_c = i_c * B_V + tl.arange(0, B_V)\n"
+         "                o_v = i_span * V_SPAN + o_c\n"
+         "                b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)\n",
+         "            b_next = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v)\n"
+         "            for i_c in range(0, V_SPAN // B_V):\n"
+         "                o_c = i_c * B_V + tl.arange(0, B_V)\n"
+         "                o_v = i_span * V_SPAN + o_c\n"
+         "                b_s = b_next\n"
+         "                b_next = tl.load(p_slab + (o_c + B_V)[:, None] * stride_s_v,\n"
+         "                                 mask=(o_c + B_V)[:, None] < V_SPAN, other=0.0)\n")],
+    # ablation (wrong outputs, timed only): no path update at all, the state only decayed
+    "k-nodot": [(_COMMIT_DOT, "                b_s = decay * b_s + tl.sum(b_u * weight[:, None], axis=0)[:, None]\n")],
+}
+COMMIT_PATCHES["k-tf32x3-prefetch"] = COMMIT_PATCHES["k-tf32x3"] + COMMIT_PATCHES["k-prefetch"]
+
+
+def commit_variant(name: str):
+    """tree_commit's wrapper and kernel from its source with patch ``name``."""
+    text = COMMIT_SRC.read_text()
+    for old, new in COMMIT_PATCHES[name]:
+        assert old in text, (name, old)
+        text = text.replace(old, new)
+    return load_module(text, f"kc_{name.replace('-', '_')}").tree_commit
+
+
+def commit_candidates(out_path: str):
+    """tree_commit variants and launches at 9B B=16 T=64 and B=16 T=16, checked against the closed form,
+    beside the copy floor (the same bytes decayed in place by one torch multiply)."""
+    from bole_tune.kernels import tree_verify
+    from bole_tune.kernels.reference import commit_closed_form
+    from bole_tune.timing import time_launches
+
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape, cases = load_model("qwen3.5-9b").gdn(), [(16, 64), (16, 16)]
+    launches = [(128, 16, 2, 128, 3), (128, 32, 4, 128, 3), (128, 32, 2, 128, 3), (128, 64, 4, 128, 3),
+                (128, 16, 1, 128, 3), (64, 32, 2, 128, 3), (128, 16, 2, 64, 3), (128, 32, 4, 64, 3)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        shape, cases, launches = GDNShape(2, 4, 32, 32), [(2, 20)], [(32, 16, 4, 32, 1), (16, 16, 2, 32, 2)]
+    variants = {name: commit_variant(name) for name in COMMIT_PATCHES}
+    rows = []
+    for batch, size in cases:
+        bench = CaseBench(BenchCase(shape, batch, size, torch.bfloat16), device=device)
+        tree, pool, inputs, slots = bench.sets(64)
+        results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+                   for i, x in enumerate(inputs)]
+        depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+        accepted = torch.tensor([max(range(size), key=lambda n: depths[offsets[r] + n]) for r in range(batch)],
+                                dtype=torch.int32, device=device)
+        slab = torch.randn(len(inputs), batch * shape.hv * shape.dv * shape.dk, device=device)
+        floor = time_launches(lambda i: slab[i].mul_(0.999), len(inputs), device, repeats=15)
+        rows.append({"kernel": "copy-floor", "batch": batch, "tree": size, "p50_us": round(floor.p50_us, 2)})
+        print(f"B={batch} T={size} copy floor (decay in place, same bytes): {floor.p50_us:.2f} us", flush=True)
+        pristine, expected = pool.clone(), pool.clone()
+        commit_closed_form(expected, slots[0], results[0], accepted, validate=False)
+        update = (expected - pristine).norm()
+        for name, commit in variants.items():
+            for b_k, b_v, warps, span, stages in launches if name in ("k-base", "k-tf32x3-prefetch") else launches[:3]:
+                kw = dict(b_k=b_k, b_v=b_v, num_warps=warps, v_span=span, num_stages=stages)
+                where = f"B={batch} T={size} {name:<18} {b_k}/{b_v}/{warps}/{span}/{stages}"
+                try:
+                    trial = pristine.clone()
+                    commit(trial, slots[0], results[0], accepted, validate=False, **kw)
+                    err = float((trial - expected).norm() / update)
+
+                    def launch(i, kw=kw, commit=commit):
+                        commit(pool, slots[i], results[i], accepted, validate=False, **kw)
+                    timing = time_launches(launch, len(inputs), device, repeats=15)
+                except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result too
+                    print(f"{where} FAILED {str(exc)[:150]}", flush=True)
+                    rows.append({"kernel": name, "batch": batch, "tree": size, **kw, "error": str(exc)[:300]})
+                    continue
+                rows.append({"kernel": name, "batch": batch, "tree": size, **kw, "p50_us": round(timing.p50_us, 2),
+                             "update_rel_error": err})
+                print(f"{where} {timing.p50_us:8.2f} us  update err {err:.1e}", flush=True)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
 def main():
+    if sys.argv[1] == "--commit-cand":
+        return commit_candidates(sys.argv[2])
     if sys.argv[1] == "--resident-cand":
         return resident_candidates(sys.argv[2])
     if sys.argv[1] == "--resident-lab":
