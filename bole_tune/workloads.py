@@ -96,6 +96,29 @@ def make_inputs(tree: TreeBatch, hk: int, hv: int, dk: int, dv: int, dtype=torch
     )
 
 
+def predicted_values(x: GDNInputs, tree: TreeBatch, residual: float = 0.03) -> torch.Tensor:
+    """Values the committed state already predicts: ``v_i = P_i S_pre^T k_i + residual * v_i``.
+
+    The regime of a trained model, where ``R = D_beta (V - D_P K S_pre)`` is a small difference of
+    large terms, so the rounding of the state products shows in ``U`` (and in the committed state).
+    Returned in ``x.v``'s dtype; q/k normalised as `tree_verify` does with ``use_qk_l2norm``.
+    """
+    from bole_tune.kernels.reference import prepare_qk
+
+    hv = x.v.shape[1]
+    _, kn = prepare_qk(x.q, x.k, hv, 1.0, True, torch.float64)  # [N, Hv, dk]
+    logp = torch.zeros(x.g.shape, dtype=torch.float64, device=x.g.device)
+    offsets = tree.offsets.tolist()
+    for r in range(tree.num_requests):
+        for n in range(offsets[r + 1] - offsets[r]):
+            path = [offsets[r] + j for j in tree.path_to(r, n)]
+            logp[offsets[r] + n] = x.g[path].double().sum(0)
+    request = torch.repeat_interleave(torch.arange(tree.num_requests, device=x.v.device), tree.offsets.diff())
+    state = x.state[x.state_indices.long()[request]].double()  # [N, Hv, dv, dk]
+    predicted = torch.einsum("nhvk,nhk->nhv", state, kn) * logp.exp()[..., None]
+    return (predicted + residual * x.v.double()).to(x.v.dtype)
+
+
 def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64 on the CPU; NaN anywhere in x gives inf."""
     x = x.detach().to("cpu", torch.float64)

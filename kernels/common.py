@@ -251,6 +251,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def state_split(dtype: torch.dtype) -> bool:
+    """Whether the state products take S_pre as two bf16 parts (``hi + lo``) against the bf16 q/k tiles.
+
+    For bf16 inputs: 16 significant bits of S_pre (tf32 keeps 11) and products of q/k as they are, on
+    bf16 tensor cores; on the H200 it is also faster (resident kernel, 9B B=16 T=64: 61.0 against 64.1
+    us, BENCHMARKS.md). fp16 inputs keep tf32 (an fp16 part would overflow past 65504), fp32 inputs
+    tf32x3.
+    """
+    return dtype == torch.bfloat16
+
+
 def gram_dtype(x: torch.Tensor):
     """Operand type of the q/k Gram products: the inputs' own on a GPU (bf16/fp16 tensor cores).
 

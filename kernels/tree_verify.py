@@ -35,8 +35,9 @@ import triton.language as tl
 from bole_tune.config import KernelConfig, node_block
 from bole_tune.database import batch_bucket, tree_bucket
 from bole_tune.tree import TreeBatch
-from .common import TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, token_head_strides, use_triton
-from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, tree_verify_resident_kernel
+from .common import (TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, state_split,
+                     token_head_strides, use_triton)
+from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, state_products, tree_verify_resident_kernel
 
 VARIANTS = ("fused", "resident")
 # the resident kernel runs one program per (request, head): it needs enough of them to fill an H200.
@@ -147,6 +148,7 @@ def tree_verify_fwd_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+    STATE_SPLIT: tl.constexpr = False,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -183,8 +185,7 @@ def tree_verify_fwd_kernel(
             b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                           mask=m_i[:, None], other=0)
             b_s = tl.load(p_state + o_k[None, :])
-            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
-            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
             b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)
             b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)
             if USE_QK_L2NORM:
@@ -353,5 +354,5 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
         state.stride(0), state.stride(1), state.stride(2),
         D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v, **extra,
         USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        STATE_SPLIT=state_split(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -48,6 +48,31 @@ def resident_split(batch_bucket: int, hv: int, dv: int, b_v: int) -> int:
     return parts
 
 
+@triton.jit
+def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+                   STATE_SPLIT: tl.constexpr):
+    """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks`` (both kernels use it).
+
+    With ``STATE_SPLIT`` (bf16 inputs, `common.state_split`) the fp32 state tile is taken as two bf16
+    parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied by the bf16 q/k tiles as they
+    are: 16 significant bits of S (tf32 keeps 11), fp32 accumulation, bf16 tensor cores (twice the tf32 rate)
+    and no q/k widening. Otherwise q/k are widened to fp32 and multiplied at ``DOT_PRECISION``.
+    ``GRAM_DTYPE`` is bf16 on a GPU and fp32 in the CPU interpreter (exact: see `common.gram_dtype`).
+    """
+    if STATE_SPLIT:
+        b_hi = b_s.to(tl.bfloat16)
+        b_lo = tl.trans((b_s - b_hi.to(tl.float32)).to(tl.bfloat16)).to(GRAM_DTYPE)
+        b_hi = tl.trans(b_hi).to(GRAM_DTYPE)
+        b_q = b_q.to(GRAM_DTYPE)
+        b_k = b_k.to(GRAM_DTYPE)
+        b_qs = tl.dot(b_q, b_lo, tl.dot(b_q, b_hi, b_qs))
+        b_ks = tl.dot(b_k, b_lo, tl.dot(b_k, b_hi, b_ks))
+    else:
+        b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
+        b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+    return b_qs, b_ks
+
+
 @triton.jit(do_not_specialize=["H_V", "H_K"])
 def tree_verify_resident_kernel(
     # inputs
@@ -65,6 +90,7 @@ def tree_verify_resident_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+    STATE_SPLIT: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -140,8 +166,7 @@ def tree_verify_resident_kernel(
             b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                           mask=m_i[:, None], other=0)
             b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
-            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
-            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
         b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
                       mask=m_i[:, None], other=0).to(tl.float32)
         b_r = b_v - a_k[:, None] * b_ks

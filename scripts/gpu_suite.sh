@@ -26,7 +26,7 @@ for stage in $stages; do
         -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
     validate) timeout 110 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
         | tail -12 | tee -a "$LOG" ;;
-    gputests) timeout 170 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident" \
+    gputests) timeout 170 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident or sixteen" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
     exhaustive)
@@ -59,6 +59,7 @@ for stage in $stages; do
       rm -f "$OUT/ncu.ncu-rep"
       grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Local Memory Spilling Req" \
         "$OUT/ncu-details.txt" | tee -a "$LOG" ;;
+    split) timeout ${SPLIT_TIMEOUT:-330} python3 scripts/kernel_lab.py --split "$OUT/split.json" 2>&1 | tail -80 | tee -a "$LOG" ;;
     commitcand) timeout ${COMMIT_TIMEOUT:-200} python3 scripts/kernel_lab.py --commit-cand "$OUT/commit-cand.json" 2>&1 \
         | tail -80 | tee -a "$LOG" ;;
     rescand2) timeout ${RESCAND_TIMEOUT:-240} python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand2.json" \

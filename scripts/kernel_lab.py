@@ -9,6 +9,7 @@ Usage (on the GPU machine, from the repository root):
     python3 scripts/kernel_lab.py --resident-lab OUT.json the resident kernel's stages patched out; value splits
     python3 scripts/kernel_lab.py --resident-cand OUT.json candidate resident kernels against the shipped one
     python3 scripts/kernel_lab.py --commit-cand OUT.json   tree_commit variants and launches, beside the copy floor
+    python3 scripts/kernel_lab.py --split OUT.json         bf16 hi + lo state products against tf32, both kernels
     ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
 Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
 
@@ -484,9 +485,8 @@ RESIDENT_PATCHES = {
         ("        b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", "")],
     "r-nostate": [
         ("            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])\n", ""),
-        ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n",
-         "            b_qs += tl.sum(b_q.to(tl.float32), axis=1)[:, None]\n"),
-        ("            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
+        ("            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)\n",
+         "            b_qs += tl.sum(b_q.to(tl.float32), axis=1)[:, None]\n"
          "            b_ks += tl.sum(b_k.to(tl.float32), axis=1)[:, None]\n")],
     "r-nosolve": [
         ("        b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)\n", "        b_u = b_r\n"),
@@ -531,31 +531,15 @@ _QK_LOADS = [("            b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_
 RESIDENT_PATCHES["d-qk32"] = [
     ("    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,\n", "    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, q32_ptr, k32_ptr,\n"),
     *_QK_LOADS]
-RESIDENT_PATCHES["c-bf16s"] = [
-    ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n"
-     "            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
-     "            b_s16 = tl.trans(b_s.to(b_q.dtype))\n"
-     "            b_qs = tl.dot(b_q, b_s16, b_qs)\n"
-     "            b_ks = tl.dot(b_k, b_s16, b_ks)\n")]
-# S_pre split into two 16-bit parts (hi + lo: 16 significant bits, finer than tf32's 11) against the
-# 16-bit q/k tiles as they are: two 16-bit tensor-core products per tf32 one, no q/k conversion
-RESIDENT_PATCHES["c-bf16x2s"] = [
-    ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n"
-     "            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n",
-     "            b_sh = b_s.to(b_q.dtype)\n"
-     "            b_sl = tl.trans((b_s - b_sh.to(tl.float32)).to(b_q.dtype))\n"
-     "            b_sh = tl.trans(b_sh)\n"
-     "            b_q = b_q.to(GRAM_DTYPE)\n            b_k = b_k.to(GRAM_DTYPE)\n"
-     "            b_sh = b_sh.to(GRAM_DTYPE)\n            b_sl = b_sl.to(GRAM_DTYPE)\n"
-     "            b_qs = tl.dot(b_q, b_sl, tl.dot(b_q, b_sh, b_qs))\n"
-     "            b_ks = tl.dot(b_k, b_sl, tl.dot(b_k, b_sh, b_ks))\n")]
+# measured in resident-cand-v2.json: "c-bf16s" (S_pre rounded to bf16 once: 58.1 us, but U off by 9e-4 and
+# o by 2.6e-3 where the state predicts v) and "c-bf16x2s" (hi + lo bf16 parts: 61.0 against 64.1 us, more
+# accurate than tf32), now the shipped `state_products` with STATE_SPLIT; "--split" compares it with tf32.
 # the level sweeps transposed: X^T <- I - X^T G^T, so the loop-invariant G^T is the shared-memory operand
 RESIDENT_PATCHES["c-tsweep"] = [
     ("    b_x = eye\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
      "        b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)\n",
      "    b_gt = tl.trans(b_gm)\n    b_xt = eye\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
      "        b_xt = eye - tl.dot(b_xt, b_gt, input_precision=DOT_PRECISION)\n    b_x = tl.trans(b_xt)\n")]
-RESIDENT_PATCHES["c-both"] = RESIDENT_PATCHES["c-bf16x2s"] + RESIDENT_PATCHES["c-tsweep"]
 FP32_COPIES = {}
 
 
@@ -644,28 +628,16 @@ def resident_lab(out_path: str):
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
-def cancel_values(x, tree):
-    """Values the committed state already predicts (v = P S_pre^T k + 3% of v): the regime of a trained
-    model, where R = D_beta (V - P K S_pre) is a small difference and the state products' rounding shows."""
-    from bole_tune.kernels.reference import prepare_qk, verify_closed_form
-
-    q, k, v, g, beta, state, slots, _ = x.args(tree)
-    _, kn = prepare_qk(q, k, v.shape[1], 1.0, True, torch.float64)
-    logp = verify_closed_form(*x.args(tree), dtype=torch.float64).log_decay.double()
-    req = torch.repeat_interleave(torch.arange(tree.num_requests, device=v.device), tree.offsets.diff())
-    pred = torch.einsum("nhvk,nhk->nhv", state[slots.long()[req]].double(), kn) * logp.exp()[..., None]
-    return (pred + 0.03 * v.double()).to(v.dtype)
-
-
 def u_errors(bench, verify, config) -> dict:
     """Relative errors of U (what tree_commit adds to the state) against the float64 closed form, on the
-    reference instance and on the same instance with `cancel_values`."""
+    reference instance and on the same instance with values the state predicts (`predicted_values`)."""
     from bole_tune.bench import relative_error
     from bole_tune.kernels.reference import verify_closed_form
+    from bole_tune.workloads import predicted_values
 
     tree, x, _ = bench.reference()
     out = {}
-    for name, v in (("u_err", x.v), ("u_err_cancel", cancel_values(x, tree))):
+    for name, v in (("u_err", x.v), ("u_err_cancel", predicted_values(x, tree))):
         args = list(x.args(tree))
         args[2] = v
         res = verify(*args, validate=False, **bench.launch_kwargs(verify, config, None))
@@ -687,7 +659,7 @@ def resident_candidates(out_path: str):
              ("qwen3.5-27b", 16, 64)]
     # v1 (fourth session): r-base, c-scratch, c-fp16; v2: without the q/k conversions of the value loop
     names = sys.argv[3].split(",") if len(sys.argv) > 3 and not sys.argv[3].startswith("-") else \
-        ["r-base", "d-qk32", "c-bf16s"]
+        ["r-base", "d-qk32", "c-tsweep"]
     if smoke:
         from bole_tune.profiles import GDNShape
         models = {"tiny": GDNShape(2, 4, 32, 32)}
@@ -715,6 +687,41 @@ def resident_candidates(out_path: str):
                 record(rows, bench, name, KernelConfig(*map(int, top.split("/"))), modules[name], check=False,
                        model=model)
                 rows[-1]["stats"] = compiled_stats(modules[name].kernel)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def split_lab(out_path: str):
+    """The state products with S_pre as two bf16 parts (shipped, `common.state_split`) against one tf32
+    product, both kernels, at the database's config of each case: time and errors (o; U where the state
+    predicts v)."""
+    tv = sys.modules["bole_tune.kernels.tree_verify"]
+    from bole_tune.kernels import tree_verify
+
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 8, 64), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 16, 16),
+             ("qwen3.5-9b", 1, 64), ("qwen3.5-9b", 4, 64), ("qwen3.5-9b", 1, 16), ("qwen3.5-9b", 4, 16),
+             ("qwen3.5-9b", 16, 128), ("qwen3.5-9b", 4, 256), ("qwen3.5-9b", 1, 256), ("qwen3.5-27b", 16, 64),
+             ("qwen3.5-27b", 1, 64), ("qwen3.5-122b-a10b", 16, 64), ("qwen3.5-122b-a10b", 4, 32)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        models, cases = {"tiny": GDNShape(2, 4, 32, 32)}, [("tiny", 2, 20)]
+    original, rows = tv.state_split, []
+    for model, batch, size in cases:
+        bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
+        config = KernelConfig(16, 16, 4, 1) if smoke else database_config(bench)
+        variant = bench.launch(config, None)[1]  # what launch_kwargs pins for tree_verify: the database's
+        verify = tree_verify
+        for name, split in (("tf32", lambda dtype: False), ("split", original)):
+            tv.state_split = split
+            try:
+                t = record(rows, bench, f"{name}-{variant}", config, verify, model=model)
+                if t is not None:
+                    rows[-1].update(u_errors(bench, verify, config))
+                    print("    ", {k: f"{v:.1e}" for k, v in rows[-1].items() if "err" in k}, flush=True)
+            finally:
+                tv.state_split = original
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
@@ -808,6 +815,8 @@ def commit_candidates(out_path: str):
 
 
 def main():
+    if sys.argv[1] == "--split":
+        return split_lab(sys.argv[2])
     if sys.argv[1] == "--commit-cand":
         return commit_candidates(sys.argv[2])
     if sys.argv[1] == "--resident-cand":
