@@ -252,12 +252,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def state_split(dtype: torch.dtype) -> bool:
-    """Whether the state products take S_pre as two bf16 parts (``hi + lo``) against the bf16 q/k tiles.
+    """Whether the resident kernel's state products take S_pre as two bf16 parts (``hi + lo``).
 
-    For bf16 inputs: 16 significant bits of S_pre (tf32 keeps 11) and products of q/k as they are, on
-    bf16 tensor cores; on the H200 it is also faster (resident kernel, 9B B=16 T=64: 61.0 against 64.1
-    us, BENCHMARKS.md). fp16 inputs keep tf32 (an fp16 part would overflow past 65504), fp32 inputs
-    tf32x3.
+    For bf16 inputs: 16 significant bits of S_pre (tf32 keeps 11) times the bf16 q/k tiles as they are.
+    On the H200 (`scripts/kernel_lab.py --split`, BENCHMARKS.md) the resident kernel gets 3-5% faster at
+    9B/27B T=64 (9B B=16: 62.0 against 63.9 us) and its outputs, where the state predicts v, 2.5x more
+    accurate (5.7e-4 against 1.4e-3). The fused kernel keeps one tf32 product: with the split it was up
+    to 47% slower and Triton 3.6 miscompiled its 32/32/8/3 config (1.3e-2). fp16 inputs keep tf32 (an
+    fp16 part would overflow past 65504), fp32 inputs tf32x3.
     """
     return dtype == torch.bfloat16
 

@@ -148,7 +148,6 @@ def tree_verify_fwd_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    STATE_SPLIT: tl.constexpr = False,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -185,7 +184,8 @@ def tree_verify_fwd_kernel(
             b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                           mask=m_i[:, None], other=0)
             b_s = tl.load(p_state + o_k[None, :])
-            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            # one tf32 product (`state_split` is the resident kernel's: here it was slower and miscompiled)
+            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, False)
             b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)
             b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)
             if USE_QK_L2NORM:
@@ -341,7 +341,8 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
     b_t = node_block(tree.max_tree_size)
     block_depth, max_blocks = tree.block_depths(b_t)
     if variant == "resident":
-        kernel, extra = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)], {"V_SPLIT": v_split}
+        kernel = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)]
+        extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype)}
         blocks = ()
     else:
         kernel, blocks, extra = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,), {}
@@ -354,5 +355,5 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
         state.stride(0), state.stride(1), state.stride(2),
         D_K=dk, D_V=dv, B_T=b_t, B_K=config.b_k, B_V=config.b_v, **extra,
         USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
-        STATE_SPLIT=state_split(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

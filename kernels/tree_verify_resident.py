@@ -51,7 +51,8 @@ def resident_split(batch_bucket: int, hv: int, dv: int, b_v: int) -> int:
 @triton.jit
 def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
                    STATE_SPLIT: tl.constexpr):
-    """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks`` (both kernels use it).
+    """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks`` (both kernels call it;
+    the fused one always without the split).
 
     With ``STATE_SPLIT`` (bf16 inputs, `common.state_split`) the fp32 state tile is taken as two bf16
     parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied by the bf16 q/k tiles as they
