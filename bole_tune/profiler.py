@@ -27,7 +27,7 @@ from bole_tune.lookup import decide
 from bole_tune.profiles import ModelProfile
 from bole_tune.runners import Measurement
 from bole_tune.search_space import SearchSpace
-from bole_tune.tuner import TuneResult, neighbours
+from bole_tune.tuner import TuneResult, warm_starts
 
 FULL_BATCHES = (1, 2, 4, 8, 16, 32)
 FULL_TREE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -105,7 +105,7 @@ def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path
 
     keys = plan_keys(plan)
     existing = _existing_configs(db_path)
-    warm = {key.text: [c.as_dict() for c in neighbours(key, existing)] for key in keys}
+    warm = {key.text: [c.as_dict() for c in warm_starts(key, existing)] for key in keys}
     job = Job(keys=[k.as_dict() for k in keys], storage=storage_url, slug=fp.slug, n_trials=plan.n_trials,
               runner=runner_spec, space=space.source, sampler=sampler, seed=plan.seed,
               shared_memory_limit=fp.facts.get("max_shared_memory_per_block_bytes"), warm_start=warm)

@@ -2,8 +2,9 @@
 
 A study is named ``bole-tune:<gpu-slug>:<bucket key>`` and lives in the storage given (an SQLite
 file by default), so an interrupted run picks up where it stopped: finished trials are kept and
-only the missing ones run. Each study starts from the default config and from the best configs of
-neighbouring buckets already tuned (warm start), then lets TPE explore. A config the sampler
+only the missing ones run. Each study starts from the default config, the bucket's own entry in the
+database (a re-tune measures it again) and the best configs of neighbouring buckets already tuned (warm
+start), then lets TPE explore. A config the sampler
 proposes twice is answered from the first measurement (no device time). Pruned (does not fit),
 infeasible (does not compile or run) and wrong (fails the reference check) candidates are recorded
 with their reason as pruned trials, which the sampler ranks below every working config.
@@ -292,6 +293,15 @@ def kernel_starts(key: ShapeKey) -> list[KernelConfig]:
     if pick_variant(key.batch_bucket, key.hv, key.tree_bucket) != "resident":
         return []
     return [c for c in RESIDENT_STARTS if c.fits(key.dk, key.dv)]
+
+
+def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
+    """What a study of ``key`` starts from (after the default): the bucket's own entry in the database,
+    then `neighbours`. A re-tune (after a kernel, driver or Triton update) measures the config it is
+    replacing again, so it never writes a worse entry for want of trying the old one (on the H200 a
+    16-trial re-tune of 27B T32-B16 missed the previous 32/32/2/3 and recorded 49.2 us against 43.1)."""
+    own = [config for other, config in tuned.values() if other == key]
+    return own + [c for c in neighbours(key, tuned) if c not in own]
 
 
 def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:

@@ -81,6 +81,23 @@ def test_tune_replay_then_show_and_lookup(tmp_path):
     assert_usage_error(strict, "strict")
 
 
+def test_retune_measures_the_entry_it_replaces(tmp_path):
+    """A second tune of a bucket (fresh Optuna storage, 2 trials: the default and whatever it starts from)
+    re-measures the database's entry first, so it keeps the best config the first run found."""
+    recording = write_recording(tmp_path / "rec.json")
+    db_dir = tmp_path / "db"
+    common = ["--replay", str(recording), "--model", "qwen3.5-9b", "--batch", "16", "--tree-size", "64",
+              "--db-dir", str(db_dir)]
+    first = run("tune", *common, "--trials", "30", "--storage", f"sqlite:///{tmp_path / 'a.db'}")
+    assert first.returncode == 0, first.stderr
+    best = database.load(db_dir / "replay-gpu.yaml")["configs"][KEY.text]["config"]
+    assert best != {"b_k": 64, "b_v": 32, "num_warps": 4, "num_stages": 2}, "the first run kept the default"
+    second = run("tune", *common, "--trials", "2", "--storage", f"sqlite:///{tmp_path / 'b.db'}")
+    assert second.returncode == 0, second.stderr
+    entry = database.load(db_dir / "replay-gpu.yaml")["configs"][KEY.text]
+    assert entry["config"] == best and entry["trials"]["measured"] == 2
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["bench", "--model", "qwen9"], ["qwen9", "unknown"]),
     (["profile", "--model", "qwen3.5-9b", "--tp", "3"], ["tp=3"]),
