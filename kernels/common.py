@@ -251,17 +251,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def state_split(dtype: torch.dtype) -> bool:
+def state_split(dtype: torch.dtype, node_block: int) -> bool:
     """Whether the resident kernel's state products take S_pre as two bf16 parts (``hi + lo``).
 
-    For bf16 inputs: 16 significant bits of S_pre (tf32 keeps 11) times the bf16 q/k tiles as they are.
-    On the H200 (`scripts/kernel_lab.py --split`, BENCHMARKS.md) the resident kernel gets 3-5% faster at
-    9B/27B T=64 (9B B=16: 62.0 against 63.9 us) and its outputs, where the state predicts v, 2.5x more
-    accurate (5.7e-4 against 1.4e-3). The fused kernel keeps one tf32 product: with the split it was up
-    to 47% slower and Triton 3.6 miscompiled its 32/32/8/3 config (1.3e-2). fp16 inputs keep tf32 (an
-    fp16 part would overflow past 65504), fp32 inputs tf32x3.
+    For bf16 inputs on trees of more than 32 nodes (``node_block`` 64): 16 significant bits of S_pre
+    (tf32 keeps 11) times the bf16 q/k tiles as they are. On the H200 (`scripts/kernel_lab.py --split`
+    and re-tunes, BENCHMARKS.md) that made T=64 3-10% faster (9B B=16: 61.8 against 64.0 us; 122B B=16:
+    117.8 against 129.0) and the outputs, where the state predicts v, 2.5x more accurate (5.7e-4 against
+    1.4e-3); on smaller trees it was mixed (27B T32-B16 best 47.9 against 43.1 us, 9B T16-B16 20.5
+    against 19.5), so they keep one tf32 product, as does the fused kernel (up to 47% slower with the
+    split, and Triton 3.6 miscompiled its 32/32/8/3 config: 1.3e-2). fp16 inputs keep tf32 (an fp16
+    part would overflow past 65504), fp32 inputs tf32x3.
     """
-    return dtype == torch.bfloat16
+    return dtype == torch.bfloat16 and node_block >= 64
 
 
 def gram_dtype(x: torch.Tensor):

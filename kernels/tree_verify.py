@@ -342,7 +342,7 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
     block_depth, max_blocks = tree.block_depths(b_t)
     if variant == "resident":
         kernel = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)]
-        extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype)}
+        extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype, b_t)}
         blocks = ()
     else:
         kernel, blocks, extra = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,), {}

@@ -54,7 +54,7 @@ def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_
     """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks`` (both kernels call it;
     the fused one always without the split).
 
-    With ``STATE_SPLIT`` (bf16 inputs, `common.state_split`) the fp32 state tile is taken as two bf16
+    With ``STATE_SPLIT`` (bf16 inputs, trees of more than 32 nodes: `common.state_split`) the fp32 state tile is taken as two bf16
     parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied by the bf16 q/k tiles as they
     are: 16 significant bits of S (tf32 keeps 11), fp32 accumulation, bf16 tensor cores (twice the tf32 rate)
     and no q/k widening. Otherwise q/k are widened to fp32 and multiplied at ``DOT_PRECISION``.

@@ -713,7 +713,8 @@ def split_lab(out_path: str):
         config = KernelConfig(16, 16, 4, 1) if smoke else database_config(bench)
         variant = bench.launch(config, None)[1]  # what launch_kwargs pins for tree_verify: the database's
         verify = tree_verify
-        for name, split in (("tf32", lambda dtype: False), ("split", original)):
+        for name, split in (("tf32", lambda dtype, node_block: False),
+                            ("split", lambda dtype, node_block: dtype == torch.bfloat16)):
             tv.state_split = split
             try:
                 t = record(rows, bench, f"{name}-{variant}", config, verify, model=model)
