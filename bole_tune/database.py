@@ -261,13 +261,36 @@ def backup_corrupt(path: Path) -> Path:
     return backup
 
 
+def merge_curve(old: dict | None, new: dict) -> dict:
+    """A curve measured again, perhaps at fewer points: the new points, plus the old curve's points at the
+    (batch, tree size) pairs the new run did not measure, so a partial re-profile never drops a measurement.
+
+    When points are kept, every point names the date of the run that measured it (``measured``) and the
+    curve's provenance (the new run's) lists the earlier runs' under ``earlier_runs``.
+    """
+    if not old or old.get("shape") != new.get("shape") or old.get("kernel") != new.get("kernel"):
+        return new
+    fresh = {(p["batch"], p["tree_size"]) for p in new["points"]}
+    old_provenance = old.get("provenance") or {}
+    kept = [{**p, "measured": p.get("measured", old_provenance.get("date", ""))} for p in old["points"]
+            if (p["batch"], p["tree_size"]) not in fresh]
+    if not kept:
+        return new
+    provenance = dict(new.get("provenance") or {})
+    earlier = [r for r in old_provenance.get("earlier_runs", [])]
+    earlier.append({k: v for k, v in old_provenance.items() if k != "earlier_runs"})
+    provenance["earlier_runs"] = earlier
+    points = [{**p, "measured": p.get("measured", provenance.get("date", ""))} for p in new["points"]] + kept
+    return {**new, "points": sorted(points, key=lambda p: (p["batch"], p["tree_size"])), "provenance": provenance}
+
+
 def update(path, device: dict | None = None, replace_corrupt: bool = False, **sections) -> dict:
     """Merge entries into the database at ``path`` (created if missing); returns the merged data.
 
     ``sections``: any of configs, curves, budgets, step_curves, each a mapping name -> entry.
-    Entries replace those with the same name; nothing else is dropped. A corrupt file is copied to
-    a backup and the update refused, unless ``replace_corrupt`` (then the backup is kept and a new
-    file started).
+    Entries replace those with the same name, except curves, whose points are merged (`merge_curve`);
+    nothing else is dropped. A corrupt file is copied to a backup and the update refused, unless
+    ``replace_corrupt`` (then the backup is kept and a new file started).
     """
     path = Path(path)
     unknown = set(sections) - set(SECTIONS)
@@ -290,7 +313,10 @@ def update(path, device: dict | None = None, replace_corrupt: bool = False, **se
             data["device"] = device
         for section, entries in sections.items():
             if entries:
-                data.setdefault(section, {}).update(entries)
+                held = data.setdefault(section, {})
+                if section == "curves":
+                    entries = {name: merge_curve(held.get(name), entry) for name, entry in entries.items()}
+                held.update(entries)
         validate(data, path)
         write_text_atomic(path, yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110))
     return data

@@ -42,6 +42,31 @@ def test_round_trip_and_merge(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
 
 
+def curve(points, date, shape=None):
+    return {"model": "m", "kernel": "k", "dtype": "bf16", "shape": shape or {"hv": 32, "hk": 16, "dk": 128, "dv": 128},
+            "provenance": {"date": date, "driver": "d"},
+            "points": [{"batch": b, "tree_size": t, "p20": v - 1, "p50": v, "p80": v + 1} for b, t, v in points]}
+
+
+def test_a_partial_re_profile_keeps_the_points_it_did_not_measure(tmp_path):
+    path = tmp_path / "gpu.yaml"
+    database.update(path, curves={"m/k/bf16": curve([(1, 8, 5.0), (16, 64, 70.0), (16, 128, 180.0)], "day-1")})
+    database.update(path, curves={"m/k/bf16": curve([(16, 64, 62.0)], "day-2")})
+    merged = database.load(path)["curves"]["m/k/bf16"]
+    got = {(p["batch"], p["tree_size"]): (p["p50"], p["measured"]) for p in merged["points"]}
+    assert got == {(1, 8): (5.0, "day-1"), (16, 64): (62.0, "day-2"), (16, 128): (180.0, "day-1")}
+    assert merged["provenance"]["date"] == "day-2"
+    assert [r["date"] for r in merged["provenance"]["earlier_runs"]] == ["day-1"]
+    # a third run keeps the chain; a curve of another head shape replaces the old one outright
+    database.update(path, curves={"m/k/bf16": curve([(1, 8, 4.0)], "day-3")})
+    merged = database.load(path)["curves"]["m/k/bf16"]
+    assert [r["date"] for r in merged["provenance"]["earlier_runs"]] == ["day-1", "day-2"]
+    assert {(p["batch"], p["tree_size"]): p["measured"] for p in merged["points"]}[(16, 64)] == "day-2"
+    other = curve([(2, 8, 9.0)], "day-4", shape={"hv": 48, "hk": 16, "dk": 128, "dv": 128})
+    database.update(path, curves={"m/k/bf16": other})
+    assert database.load(path)["curves"]["m/k/bf16"] == other
+
+
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d.update(schema_version=99), "schema_version 99 is not understood"),
     (lambda d: d.update(extra=1), "extra: unknown top-level field"),
