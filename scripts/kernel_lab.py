@@ -56,8 +56,7 @@ PATCHES = {
         ("            b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", ""),
     ],
     "nostate": [
-        ("            b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)\n", ""),
-        ("            b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)\n", ""),
+        ("            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, False)\n", ""),
         ("            b_s = tl.load(p_state + o_k[None, :])\n", ""),
     ],
     "nooutdot": [
