@@ -277,7 +277,7 @@ def merge_curve(old: dict | None, new: dict) -> dict:
     if not kept:
         return new
     provenance = dict(new.get("provenance") or {})
-    earlier = [r for r in old_provenance.get("earlier_runs", [])]
+    earlier = list(old_provenance.get("earlier_runs", []))
     earlier.append({k: v for k, v in old_provenance.items() if k != "earlier_runs"})
     provenance["earlier_runs"] = earlier
     points = [{**p, "measured": p.get("measured", provenance.get("date", ""))} for p in new["points"]] + kept

@@ -18,6 +18,9 @@ programs need every register of an SM. Here the work is split where the math spl
 
        R' = V - a_k (K S_pre^T)      U = W R'      O = a_q (Q S_pre^T) + M R'
 
+   (`state_products`: for bf16 inputs on trees of more than 32 nodes S_pre enters the two state
+   products as two bf16 parts, finer than tf32 and faster here; see `common.state_split`).
+
 The sweeps cost ``T^3`` per head instead of ``T^2 dv`` and nothing ``T x T`` leaves the SM. With one
 program per head it needs many heads to fill a GPU: `pick_variant` takes it from 512 (request, head)
 pairs up, from 256 for trees of more than 32 nodes (measured on the H200, BENCHMARKS.md), and the fused
@@ -54,10 +57,11 @@ def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_
     """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks`` (both kernels call it;
     the fused one always without the split).
 
-    With ``STATE_SPLIT`` (bf16 inputs, trees of more than 32 nodes: `common.state_split`) the fp32 state tile is taken as two bf16
-    parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied by the bf16 q/k tiles as they
-    are: 16 significant bits of S (tf32 keeps 11), fp32 accumulation, bf16 tensor cores (twice the tf32 rate)
-    and no q/k widening. Otherwise q/k are widened to fp32 and multiplied at ``DOT_PRECISION``.
+    With ``STATE_SPLIT`` (bf16 inputs on trees of more than 32 nodes, `common.state_split`) the fp32
+    state tile is taken as two bf16 parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied
+    by the bf16 q/k tiles as they are: 16 significant bits of S (tf32 keeps 11), fp32 accumulation,
+    bf16 tensor cores (twice the tf32 rate) and no q/k widening. Otherwise q/k are widened to fp32
+    and multiplied at ``DOT_PRECISION``.
     ``GRAM_DTYPE`` is bf16 on a GPU and fp32 in the CPU interpreter (exact: see `common.gram_dtype`).
     """
     if STATE_SPLIT:
