@@ -103,16 +103,13 @@ def predicted_values(x: GDNInputs, tree: TreeBatch, residual: float = 0.03) -> t
     large terms, so the rounding of the state products shows in ``U`` (and in the committed state).
     Returned in ``x.v``'s dtype; q/k normalised as `tree_verify` does with ``use_qk_l2norm``.
     """
-    from bole_tune.kernels.reference import prepare_qk
+    from bole_tune.kernels.reference import ancestor_mask, prepare_qk
 
     hv = x.v.shape[1]
     _, kn = prepare_qk(x.q, x.k, hv, 1.0, True, torch.float64)  # [N, Hv, dk]
-    logp = torch.zeros(x.g.shape, dtype=torch.float64, device=x.g.device)
     offsets = tree.offsets.tolist()
-    for r in range(tree.num_requests):
-        for n in range(offsets[r + 1] - offsets[r]):
-            path = [offsets[r] + j for j in tree.path_to(r, n)]
-            logp[offsets[r] + n] = x.g[path].double().sum(0)
+    logp = torch.cat([ancestor_mask(tree, r, x.g.device).double() @ x.g[offsets[r]:offsets[r + 1]].double()
+                      for r in range(tree.num_requests)])  # path cumsum of g, [N, Hv]
     request = torch.repeat_interleave(torch.arange(tree.num_requests, device=x.v.device), tree.offsets.diff())
     state = x.state[x.state_indices.long()[request]].double()  # [N, Hv, dv, dk]
     predicted = torch.einsum("nhvk,nhk->nhv", state, kn) * logp.exp()[..., None]
