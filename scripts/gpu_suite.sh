@@ -59,6 +59,8 @@ for stage in $stages; do
       rm -f "$OUT/ncu.ncu-rep"
       grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Local Memory Spilling Req" \
         "$OUT/ncu-details.txt" | tee -a "$LOG" ;;
+    readout) timeout ${READOUT_TIMEOUT:-400} python3 scripts/kernel_lab.py --readout "$OUT/readout.json" 2>&1 | tail -120 | tee -a "$LOG" ;;
+    maxnreg) timeout ${MAXNREG_TIMEOUT:-500} python3 scripts/kernel_lab.py --maxnreg "$OUT/maxnreg.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     split) timeout ${SPLIT_TIMEOUT:-330} python3 scripts/kernel_lab.py --split "$OUT/split.json" 2>&1 | tail -80 | tee -a "$LOG" ;;
     commitcand) timeout ${COMMIT_TIMEOUT:-200} python3 scripts/kernel_lab.py --commit-cand "$OUT/commit-cand.json" 2>&1 \
         | tail -80 | tee -a "$LOG" ;;

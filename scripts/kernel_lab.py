@@ -10,6 +10,8 @@ Usage (on the GPU machine, from the repository root):
     python3 scripts/kernel_lab.py --resident-cand OUT.json candidate resident kernels against the shipped one
     python3 scripts/kernel_lab.py --commit-cand OUT.json   tree_commit variants and launches, beside the copy floor
     python3 scripts/kernel_lab.py --split OUT.json         bf16 hi + lo state products against tf32, both kernels
+    python3 scripts/kernel_lab.py --readout OUT.json       outputs-only verifier + replaying commit (experiment)
+    python3 scripts/kernel_lab.py --maxnreg OUT.json       register caps on the resident and readout kernels
     ncu ... python3 scripts/kernel_lab.py --ncu            a few plain launches for Nsight Compute
 Add --smoke to run either on the CPU interpreter at tiny shapes (proves the script runs).
 
@@ -553,7 +555,18 @@ class WithArgument:
         return lambda *args, **kwargs: launcher(*args[:self.index], *self.values, *args[self.index:], **kwargs)
 
 
-def resident_variant(name: str, v_split: int):
+class WithOptions:
+    """A jitted kernel whose launches get more compile options (``maxnreg``: registers per thread)."""
+
+    def __init__(self, kernel, **options):
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid):
+        launcher = self.kernel[grid]
+        return lambda *args, **kwargs: launcher(*args, **kwargs, **self.options)
+
+
+def resident_variant(name: str, v_split: int, maxnreg: int | None = None):
     """A verifier that launches the resident kernel's source with patch ``name`` and a fixed value split
     (no self-check: ablations compute wrong outputs on purpose)."""
     text = RESIDENT_SRC.read_text()
@@ -567,7 +580,7 @@ def resident_variant(name: str, v_split: int):
                validate=False, out=None):
         shape, (q2, sq_n, sq_h), (k2, sk_n, sk_h), (v2, sv_n, sv_h), res = prepare(
             q, k, v, g, beta, state, state_indices, tree, scale, out)
-        launch = kernel
+        launch = kernel if maxnreg is None else WithOptions(kernel, maxnreg=maxnreg)
         if name == "c-scratch":  # one [2, T, T] fp32 scratch per program, passed after k_scale
             b_t = node_block(tree.max_tree_size)
             scratch = torch.empty(shape.num_requests * shape.hv * v_split * 2 * b_t * b_t, device=q.device)
@@ -814,7 +827,136 @@ def commit_candidates(out_path: str):
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
+def readout_lab(out_path: str):
+    """The readout experiment (benchmarks/experiments/readout_tree_verify.py: outputs only, one state
+    product; the commit replays the accepted path) against the shipped verifier and commit."""
+    from bole_tune.kernels import tree_commit, tree_verify
+    from bole_tune.kernels.reference import commit_closed_form, verify_closed_form
+    from bole_tune.timing import time_launches
+    from bole_tune.workloads import predicted_values, relative_error
+
+    ro = load_module((EXPERIMENTS / "readout_tree_verify.py").read_text(), "readout_tv")
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b")}
+    configs = [KernelConfig(*c) for c in [(32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 3),
+                                          (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 4, 2),
+                                          (128, 64, 4, 1), (64, 32, 4, 2), (32, 32, 4, 3)]]
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 8, 64), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 16, 32),
+             ("qwen3.5-9b", 16, 16), ("qwen3.5-27b", 16, 64), ("qwen3.5-9b", 4, 64)]
+    launches = [(16, 2, 128, 3), (32, 4, 128, 3), (16, 4, 128, 2), (8, 1, 128, 3), (16, 2, 64, 3), (32, 2, 128, 2)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        models = {"tiny": GDNShape(2, 4, 32, 32)}
+        cases, configs, launches = [("tiny", 2, 20)], [KernelConfig(16, 16, 4, 1)], [(16, 2, 32, 1)]
+    rows, ranked = [], []
+    for model, batch, size in cases:
+        bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
+        record(rows, bench, "shipped", database_config(bench), tree_verify, model=model)
+        plan = configs if not ranked else ranked[:4]
+        times = {}
+        for config in plan:
+            t = record(rows, bench, "readout", config, ro.tree_verify, model=model)
+            if t is not None:
+                times[config] = t
+                tree, x, _ = bench.reference()
+                args = list(x.args(tree))
+                args[2] = predicted_values(x, tree)
+                ref = verify_closed_form(*args, dtype=torch.float64)
+                rows[-1]["o_err_cancel"] = relative_error(ro.tree_verify(*args, config=config).o, ref.o)
+                shipped = tree_verify(*args, validate=False)
+                rows[-1]["o_err_cancel_shipped"] = relative_error(shipped.o, ref.o)
+                print(f"    predicted values: o err {rows[-1]['o_err_cancel']:.1e} "
+                      f"(shipped {rows[-1]['o_err_cancel_shipped']:.1e})", flush=True)
+        if not ranked:
+            ranked = sorted(times, key=times.get)
+        if (batch < 16 and not smoke) or not times:
+            pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+            continue
+        # commits: the shipped one (U from the verifier) against the replay, each checked
+        tree, pool, inputs, slots = bench.sets(64)
+        shipped = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+                   for i, x in enumerate(inputs)]
+        best = min(times, key=times.get)
+        replays = [ro.tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, config=best)
+                   for i, x in enumerate(inputs)]
+        depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+        accepted = torch.tensor([max(range(size), key=lambda n: depths[offsets[r] + n]) for r in range(batch)],
+                                dtype=torch.int32, device=device)
+        pristine, expected = pool.clone(), pool.clone()
+        commit_closed_form(expected, slots[0], shipped[0], accepted, validate=False)
+        update = (expected - pristine).norm()
+        kinds = [("commit-shipped", None)] + [("commit-replay", launch) for launch in launches]
+        for name, launch in kinds:
+            where = f"{model:<18} B={batch:<3} T={size:<4} {name:<15} {launch}"
+            try:
+                trial = pristine.clone()
+                if launch is None:
+                    tree_commit(trial, slots[0], shipped[0], accepted, validate=False)
+                    fn = lambda i: tree_commit(pool, slots[i], shipped[i], accepted, validate=False)  # noqa: E731
+                else:
+                    kw = dict(zip(("b_v", "num_warps", "v_span", "num_stages"), launch))
+                    ro.tree_commit(trial, slots[0], replays[0], accepted, **kw)
+                    fn = lambda i, kw=kw: ro.tree_commit(pool, slots[i], replays[i], accepted, **kw)  # noqa: E731
+                err = float((trial - expected).norm() / update)
+                timing = time_launches(fn, len(inputs), device, repeats=15)
+            except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result too
+                print(f"{where} FAILED {str(exc)[:150]}", flush=True)
+                rows.append({"kernel": name, "model": model, "batch": batch, "tree": size, "launch": launch,
+                             "error": str(exc)[:300]})
+                continue
+            rows.append({"kernel": name, "model": model, "batch": batch, "tree": size, "launch": launch,
+                         "p50_us": round(timing.p50_us, 2), "update_rel_error": err})
+            print(f"{where} {timing.p50_us:8.2f} us  update err {err:.1e}", flush=True)
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
+def maxnreg_lab(out_path: str):
+    """Register caps (ptxas ``maxnreg``) on the resident kernel and the readout experiment: more programs
+    per SM at the price of spills. Each launch checked against the float64 reference."""
+    smoke = "--smoke" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ro = load_module((EXPERIMENTS / "readout_tree_verify.py").read_text(), "readout_tv")
+    models = {m: load_model(m).gdn() for m in ("qwen3.5-9b", "qwen3.5-27b")}
+    configs = [KernelConfig(*c) for c in [(32, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (32, 128, 4, 3),
+                                          (32, 64, 8, 3), (64, 64, 8, 2)]]
+    caps = [None, 168, 128, 96]
+    cases = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 32, 64), ("qwen3.5-9b", 8, 64), ("qwen3.5-27b", 16, 64),
+             ("qwen3.5-9b", 16, 32), ("qwen3.5-9b", 16, 16)]
+    if smoke:
+        from bole_tune.profiles import GDNShape
+        models = {"tiny": GDNShape(2, 4, 32, 32)}
+        cases, configs, caps = [("tiny", 2, 20)], [KernelConfig(16, 16, 4, 1)], [None]
+    verifiers = {}
+    for cap in caps:
+        verifiers[("resident", cap)] = resident_variant("r-base", 1, cap)
+        verifiers[("readout", cap)] = functools.partial(ro.tree_verify, maxnreg=cap)
+        verifiers[("readout", cap)].kernel = ro.tree_verify_readout_kernel
+    rows, plan = [], [(name, cap, config) for (name, cap) in verifiers for config in configs
+                      if not (config.num_warps == 8 and cap is not None and cap > 128)]
+    for model, batch, size in cases:
+        bench = CaseBench(BenchCase(models[model], batch, size, torch.bfloat16), device=device)
+        times = {}
+        for name, cap, config in plan:
+            verify = verifiers[(name, cap)]
+            t = record(rows, bench, f"{name}-r{cap}", config, verify, model=model)
+            rows[-1]["stats"] = compiled_stats(verify.kernel)
+            print("    ", rows[-1]["stats"], flush=True)
+            if t is not None:
+                times[(name, cap, config)] = t
+        if len(plan) > 8:  # later cases: the 6 best launches and each kernel's best uncapped one
+            ranked = sorted(times, key=times.get)
+            plan = ranked[:6] + [min((k for k in ranked if k[:2] == (name, None)), key=times.get)
+                                 for name in ("resident", "readout") if any(k[:2] == (name, None) for k in ranked)]
+            plan = list(dict.fromkeys(plan))
+        pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
+
+
 def main():
+    if sys.argv[1] == "--maxnreg":
+        return maxnreg_lab(sys.argv[2])
+    if sys.argv[1] == "--readout":
+        return readout_lab(sys.argv[2])
     if sys.argv[1] == "--split":
         return split_lab(sys.argv[2])
     if sys.argv[1] == "--commit-cand":
@@ -891,6 +1033,7 @@ def load_module(source: str, name: str):
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
