@@ -266,6 +266,25 @@ def state_split(dtype: torch.dtype, node_block: int) -> bool:
     return dtype == torch.bfloat16 and node_block >= 64
 
 
+def sweep_f16(dtype: torch.dtype, use_qk_l2norm: bool) -> bool:
+    """Whether the resident kernel's level sweeps ``X <- I - G X`` and ``M = C X`` take fp16 operands.
+
+    fp16 keeps tf32's 11 significant bits at twice its tensor-core rate; what it lacks is range, and
+    with L2-normalised keys (and beta in [0, 1], which validation checks) none is needed:
+    ``|G_ij| = beta_i * decay * |cos(k_i, k_j)| <= 1``, and every entry of ``X = (I + G)^-1`` is at most 1
+    too: for a node j on the path to i, ``X_ij = -beta_i * decay * k_i^T H_{i-1} ... H_{j+1} k_j``
+    (unit keys, the path's nodes between them), and each ``H = I - beta k k^T`` is a contraction. The
+    kernel keeps every row that is not yet exact at the identity, so no operand holds a partial Neumann
+    sum (those grow like binomial coefficients on deep chains), and it multiplies by ``C / scale``
+    (cosines times decays). Entries under fp16's normal range (6e-5) are that small next to entries
+    of order 1, where tf32 keeps them no better in the sums that use them.
+    On the H200 (9B, `scripts/kernel_lab.py --resident-cand`, BENCHMARKS.md): 5-8% faster at 64-node
+    trees (B=16: 57.0 against 60.5 us; B=32: 109.4 against 119.0; 27B B=16: 82.4 against 88.4), the same
+    at 16 nodes, errors unchanged. Raw (unnormalised) keys keep tf32, fp32 inputs tf32x3.
+    """
+    return dtype in (torch.bfloat16, torch.float16) and bool(use_qk_l2norm)
+
+
 def gram_dtype(x: torch.Tensor):
     """Operand type of the q/k Gram products: the inputs' own on a GPU (bf16/fp16 tensor cores).
 

@@ -36,7 +36,7 @@ from bole_tune.config import KernelConfig, node_block
 from bole_tune.database import batch_bucket, tree_bucket
 from bole_tune.tree import TreeBatch
 from .common import (TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, state_split,
-                     token_head_strides, use_triton)
+                     sweep_f16, token_head_strides, use_triton)
 from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, state_products, tree_verify_resident_kernel
 
 VARIANTS = ("fused", "resident")
@@ -342,7 +342,8 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
     block_depth, max_blocks = tree.block_depths(b_t)
     if variant == "resident":
         kernel = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)]
-        extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype, b_t)}
+        extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype, b_t),
+                 "SWEEP_F16": sweep_f16(q.dtype, use_qk_l2norm)}
         blocks = ()
     else:
         kernel, blocks, extra = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,), {}

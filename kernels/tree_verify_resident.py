@@ -12,7 +12,8 @@ programs need every register of an SM. Here the work is split where the math spl
 
    and the row factors ``a_q = P r_q``, ``a_k = P r_k`` (decay times norm scale). ``W`` and ``M`` are
    exact blocks of the inverse (each entry is the response of one node's update to another node's
-   value, bounded), never powers of ``G``;
+   value, bounded), never powers of ``G``. With L2-normalised keys and 16-bit inputs the sweeps and
+   ``C X`` run on fp16 tensor cores (`common.sweep_f16`);
 2. ``S_pre`` streamed one ``b_v``-row value tile at a time, ``b_k`` columns per step, with ``W`` and
    ``M`` kept resident:
 
@@ -95,7 +96,7 @@ def tree_verify_resident_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    STATE_SPLIT: tl.constexpr = False,
+    STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -148,9 +149,19 @@ def tree_verify_resident_kernel(
     b_c = r_q[:, None] * decay * r_k[None, :] * b_qk
     eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
     b_x = eye
-    for _ in range(0, tl.load(block_depth_ptr + i_r)):
-        b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)
-    b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION) * b_beta[None, :]
+    if SWEEP_F16:
+        # fp16 operands (`common.sweep_f16`): sweep s finalises the rows of depth s and leaves deeper
+        # rows at the identity, so every operand entry is an exact one (at most 1 in magnitude) or 0/1,
+        # never a partial Neumann sum; C enters as C / scale (cosines times decays)
+        node_depth = tl.sum(m_anc.to(tl.int32), axis=1) - 1
+        b_g16 = b_gm.to(tl.float16)
+        for i_s in range(1, tl.load(block_depth_ptr + i_r) + 1):
+            b_x = tl.where(node_depth[:, None] <= i_s, eye - tl.dot(b_g16, b_x.to(tl.float16)), b_x)
+        b_m = tl.dot((b_c * (1.0 / scale)).to(tl.float16), b_x.to(tl.float16)) * (scale * b_beta[None, :])
+    else:
+        for _ in range(0, tl.load(block_depth_ptr + i_r)):
+            b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)
+        b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION) * b_beta[None, :]
     b_w = b_x * b_beta[None, :]
     b_decay = tl.exp(b_logp)
     a_q = b_decay * r_q

@@ -69,6 +69,12 @@ for stage in $stages; do
     rescand) timeout 370 python3 scripts/kernel_lab.py --resident-cand "$OUT/resident-cand.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
     tunercheck) timeout 120 python3 scripts/check_tuner_resident.py 2>&1 | grep -v Warn | tail -8 | tee -a "$LOG" ;;
     reslab) timeout 420 python3 scripts/kernel_lab.py --resident-lab "$OUT/resident-lab.json" 2>&1 | tail -150 | tee -a "$LOG" ;;
+    part-*)  # a partial re-profile of one model into $OUT's database (entries and curve points, merged):
+      # PART_BATCH=8,16,32 PART_TREE=64
+      [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
+      BOLE_TUNE_DB="$OUT" timeout ${PART_TIMEOUT:-240} bole-tune profile --model "${stage#part-}" \
+        --batch "${PART_BATCH:-8,16,32}" --tree-size "${PART_TREE:-64}" --trials 8 --repeats 10 \
+        --storage "sqlite:///$OUT/part.sqlite3" 2>&1 | grep -v "━" | tail -40 | tee -a "$LOG" ;;
     retune-*)  # re-tune some buckets of one model into $OUT's database: RETUNE_BATCH=8,16 RETUNE_TREE=64
       [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/" 2>/dev/null
       BOLE_TUNE_DB="$OUT" timeout ${RETUNE_TIMEOUT:-120} bole-tune tune --model "${stage#retune-}" --trials 16 \

@@ -480,7 +480,9 @@ def resident(out_path: str):
 RESIDENT_SRC = ROOT / "kernels" / "tree_verify_resident.py"
 RESIDENT_PATCHES = {
     "r-base": [],
-    "r-nosweep": [("    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n", "    for _ in range(0, 0):\n")],
+    "r-nosweep": [("        for _ in range(0, tl.load(block_depth_ptr + i_r)):\n", "        for _ in range(0, 0):\n"),
+                  ("        for i_s in range(1, tl.load(block_depth_ptr + i_r) + 1):\n",
+                   "        for i_s in range(1, 1):\n")],
     "r-nogram": [
         ("        b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)\n", ""),
         ("        b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)\n", "")],
@@ -536,15 +538,16 @@ RESIDENT_PATCHES["d-qk32"] = [
 # o by 2.6e-3 where the state predicts v) and "c-bf16x2s" (hi + lo bf16 parts: 61.0 against 64.1 us, more
 # accurate than tf32), now the shipped `state_products` with STATE_SPLIT; "--split" compares it with tf32.
 # the level sweeps transposed: X^T <- I - X^T G^T, so the loop-invariant G^T is the shared-memory operand
+# (on the tf32 sweeps, which run since the sixth session only for raw keys or fp32 inputs)
 RESIDENT_PATCHES["c-tsweep"] = [
-    ("    b_x = eye\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
-     "        b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)\n",
-     "    b_gt = tl.trans(b_gm)\n    b_xt = eye\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
-     "        b_xt = eye - tl.dot(b_xt, b_gt, input_precision=DOT_PRECISION)\n    b_x = tl.trans(b_xt)\n")]
-# sixth session: (1) S_pre (and the head's v rows) prefetched into L2 when the program starts, so the
-# value loop's loads hit L2 while DRAM works during the factor phase (PTX prefetch.global.L2; GPU only);
-# (2) the level sweeps and M = C X on fp16 tensor cores (fp16 and tf32 both keep 11 significant bits;
-# the entries here are bounded, and those below fp16's range are decayed to nothing anyway)
+    ("    if SWEEP_F16:\n", "    if False:\n"),
+    ("        for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
+     "            b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)\n",
+     "        b_gt = tl.trans(b_gm)\n        b_xt = eye\n        for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
+     "            b_xt = eye - tl.dot(b_xt, b_gt, input_precision=DOT_PRECISION)\n        b_x = tl.trans(b_xt)\n")]
+# sixth session: S_pre (and the head's v rows) prefetched into L2 when the program starts, so that the
+# value loop's loads would hit L2 while DRAM works during the factor phase (PTX prefetch.global.L2; GPU
+# only). Measured in resident-cand-v3.json: slower (69.4 against 60.5 us at 9B B=16 T=64), not shipped
 _L2_PREFETCH = (
     "    o_line = tl.arange(0, (D_V // V_SPLIT) * (D_K // 32))\n"
     "    p_lines = (state_ptr + slot * stride_s_slot + i_h * stride_s_h\n"
@@ -557,14 +560,10 @@ _L2_PREFETCH = (
     "                              dtype=tl.int32, is_pure=False, pack=1)\n")
 RESIDENT_PATCHES["c-l2pf"] = [
     ("    o_i = tl.arange(0, B_T)\n    m_i = o_i < num_nodes\n", _L2_PREFETCH + "    o_i = tl.arange(0, B_T)\n    m_i = o_i < num_nodes\n")]
-RESIDENT_PATCHES["c-fp16sweep"] = [
-    ("    b_x = eye\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
-     "        b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)\n"
-     "    b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION) * b_beta[None, :]\n",
-     "    b_x = eye\n    b_gm16 = b_gm.to(tl.float16)\n    for _ in range(0, tl.load(block_depth_ptr + i_r)):\n"
-     "        b_x = eye - tl.dot(b_gm16, b_x.to(tl.float16))\n"
-     "    b_m = tl.dot(b_c.to(tl.float16), b_x.to(tl.float16)) * b_beta[None, :]\n")]
-RESIDENT_PATCHES["c-l2pf-fp16sweep"] = RESIDENT_PATCHES["c-l2pf"] + RESIDENT_PATCHES["c-fp16sweep"]
+# measured in resident-cand-v3.json: "c-fp16sweep" (the sweeps and M = C X on fp16 operands: 57.0 against
+# 60.5 us at 9B B=16 T=64), now shipped (`common.sweep_f16`, with not-yet-exact rows kept at the identity);
+# "d-tf32sweep" runs the shipped kernel with the earlier tf32 sweeps, for comparison
+RESIDENT_PATCHES["d-tf32sweep"] = [("    if SWEEP_F16:\n", "    if False:\n")]
 FP32_COPIES = {}
 
 

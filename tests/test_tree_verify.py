@@ -319,6 +319,35 @@ def test_correlated_keys_stay_accurate(device, dtype, variant):
     assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
 
 
+@pytest.mark.parametrize("keys", ["equal", "alternating"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_fp16_sweeps_on_deep_chains(device, dtype, keys):
+    """16-bit inputs with L2 norm run the resident kernel's level sweeps on fp16 operands. A 64-node chain
+    with nearly equal (or alternately opposite) keys, beta = 1, g = 0, takes 63 sweeps, and the partial
+    Neumann sums of its rows grow like binomial coefficients, past fp16's range: the kernel must keep
+    rows that are not yet exact out of the products (without that: inf, then NaN in o)."""
+    from bole_tune.kernels.common import sweep_f16
+
+    assert sweep_f16(BF16, True) and sweep_f16(F16, True) and not sweep_f16(BF16, False) and not sweep_f16(F32, True)
+    tree = TreeBatch.from_parents([tree_parents(64, "chain"), tree_parents(40, "random", 8)], device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, dtype, device, seed=11)
+    base = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(x.k.shape, generator=torch.Generator().manual_seed(2))
+    sign = torch.ones(tree.num_nodes, 1, 1)
+    if keys == "alternating":
+        sign[1::2] = -1.0
+    x.k.copy_((sign * base + 0.05 * noise).to(x.k.dtype))
+    x.beta.fill_(1.0)
+    x.g.zero_()
+    ref = verify_reference(*x.args(tree))
+    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant="resident")
+    assert_close(res.o, ref.o, TOLERANCE[dtype], "o")
+    accepted = torch.tensor([63, 39], device=device)
+    before = x.state.clone()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
+
+
 def test_bf16_state_products_keep_sixteen_bits(device):
     """The resident kernel takes S_pre as two bf16 parts (hi + lo) for bf16 inputs on trees of more than 32
     nodes (here 33: node block 64). Where the state predicts v, R = V - P K S_pre is a small difference and
