@@ -273,9 +273,9 @@ def sweep_f16(dtype: torch.dtype, use_qk_l2norm: bool) -> bool:
     with L2-normalised keys (and beta in [0, 1], which validation checks) none is needed:
     ``|G_ij| = beta_i * decay * |cos(k_i, k_j)| <= 1``, and every entry of ``X = (I + G)^-1`` is at most 1
     too: for a node j on the path to i, ``X_ij = -beta_i * decay * k_i^T H_{i-1} ... H_{j+1} k_j``
-    (unit keys, the path's nodes between them), and each ``H = I - beta k k^T`` is a contraction. The
-    kernel keeps every row that is not yet exact at the identity, so no operand holds a partial Neumann
-    sum (those grow like binomial coefficients on deep chains), and it multiplies by ``C / scale``
+    (unit keys, the path's nodes between them), and each ``H = I - beta k k^T`` is a contraction. Rows
+    not yet exact hold partial Neumann sums, which grow like binomial coefficients on deep chains; the
+    kernel clamps them (at 4096, which no exact entry reaches), and it multiplies by ``C / scale``
     (cosines times decays). Entries under fp16's normal range (6e-5) are that small next to entries
     of order 1, where tf32 keeps them no better in the sums that use them.
     On the H200 (9B, `scripts/kernel_lab.py --resident-cand`, BENCHMARKS.md): 5-8% faster at 64-node

@@ -38,6 +38,8 @@ RESIDENT_MAX_NODES = 64
 # split a head's value rows over more programs while a launch has fewer than this many: on the H200
 # (9B, B=1, T=64) 4 parts take 17.4 us against 24.8 us for one; at B=4 (128 programs) 2 parts gain nothing
 RESIDENT_TARGET_PROGRAMS = 128
+# bound on the fp16 sweeps' partial sums (exact entries are at most 1; fp16 overflows past 65504)
+SWEEP_CLAMP: tl.constexpr = tl.constexpr(4096.0)
 
 
 def resident_split(batch_bucket: int, hv: int, dv: int, b_v: int) -> int:
@@ -150,13 +152,13 @@ def tree_verify_resident_kernel(
     eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
     b_x = eye
     if SWEEP_F16:
-        # fp16 operands (`common.sweep_f16`): sweep s finalises the rows of depth s and leaves deeper
-        # rows at the identity, so every operand entry is an exact one (at most 1 in magnitude) or 0/1,
-        # never a partial Neumann sum; C enters as C / scale (cosines times decays)
-        node_depth = tl.sum(m_anc.to(tl.int32), axis=1) - 1
+        # fp16 operands (`common.sweep_f16`). Exact entries of X are at most 1 in magnitude; the rows not
+        # yet exact hold partial Neumann sums, which on deep chains outgrow fp16, so they are clamped
+        # (to SWEEP_CLAMP, far above any exact entry): each row is exact once its ancestors are, whatever
+        # its earlier values. C enters as C / scale (cosines times decays).
         b_g16 = b_gm.to(tl.float16)
-        for i_s in range(1, tl.load(block_depth_ptr + i_r) + 1):
-            b_x = tl.where(node_depth[:, None] <= i_s, eye - tl.dot(b_g16, b_x.to(tl.float16)), b_x)
+        for _ in range(0, tl.load(block_depth_ptr + i_r)):
+            b_x = tl.minimum(tl.maximum(eye - tl.dot(b_g16, b_x.to(tl.float16)), -SWEEP_CLAMP), SWEEP_CLAMP)
         b_m = tl.dot((b_c * (1.0 / scale)).to(tl.float16), b_x.to(tl.float16)) * (scale * b_beta[None, :])
     else:
         for _ in range(0, tl.load(block_depth_ptr + i_r)):

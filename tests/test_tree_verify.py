@@ -324,8 +324,8 @@ def test_correlated_keys_stay_accurate(device, dtype, variant):
 def test_fp16_sweeps_on_deep_chains(device, dtype, keys):
     """16-bit inputs with L2 norm run the resident kernel's level sweeps on fp16 operands. A 64-node chain
     with nearly equal (or alternately opposite) keys, beta = 1, g = 0, takes 63 sweeps, and the partial
-    Neumann sums of its rows grow like binomial coefficients, past fp16's range: the kernel must keep
-    rows that are not yet exact out of the products (without that: inf, then NaN in o)."""
+    Neumann sums of its rows grow like binomial coefficients, past fp16's range: the kernel must bound
+    the rows that are not yet exact (without that: inf, then NaN in o)."""
     from bole_tune.kernels.common import sweep_f16
 
     assert sweep_f16(BF16, True) and sweep_f16(F16, True) and not sweep_f16(BF16, False) and not sweep_f16(F32, True)
