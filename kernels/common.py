@@ -266,23 +266,28 @@ def state_split(dtype: torch.dtype, node_block: int) -> bool:
     return dtype == torch.bfloat16 and node_block >= 64
 
 
-def sweep_f16(dtype: torch.dtype, use_qk_l2norm: bool) -> bool:
+# deepest tree whose fp16 level sweeps stay in range: partial sums up to 2^(depth - 1) = 2048
+SWEEP_F16_MAX_DEPTH = 12
+
+
+def sweep_f16(dtype: torch.dtype, use_qk_l2norm: bool, depth: int, scale: float) -> bool:
     """Whether the resident kernel's level sweeps ``X <- I - G X`` and ``M = C X`` take fp16 operands.
 
-    fp16 keeps tf32's 11 significant bits at twice its tensor-core rate; what it lacks is range, and
-    with L2-normalised keys (and beta in [0, 1], which validation checks) none is needed:
-    ``|G_ij| = beta_i * decay * |cos(k_i, k_j)| <= 1``, and every entry of ``X = (I + G)^-1`` is at most 1
-    too: for a node j on the path to i, ``X_ij = -beta_i * decay * k_i^T H_{i-1} ... H_{j+1} k_j``
-    (unit keys, the path's nodes between them), and each ``H = I - beta k k^T`` is a contraction. Rows
-    not yet exact hold partial Neumann sums, which grow like binomial coefficients on deep chains; the
-    kernel clamps them (at 4096, which no exact entry reaches), and it multiplies by ``C / scale``
-    (cosines times decays). Entries under fp16's normal range (6e-5) are that small next to entries
-    of order 1, where tf32 keeps them no better in the sums that use them.
-    On the H200 (9B, `scripts/kernel_lab.py --resident-cand`, BENCHMARKS.md): 5-8% faster at 64-node
-    trees (B=16: 57.0 against 60.5 us; B=32: 109.4 against 119.0; 27B B=16: 82.4 against 88.4), the same
-    at 16 nodes, errors unchanged. Raw (unnormalised) keys keep tf32, fp32 inputs tf32x3.
+    fp16 keeps tf32's 11 significant bits at twice its tensor-core rate; what it lacks is range. With
+    L2-normalised keys (and beta in [0, 1], which validation checks) ``|G_ij| = beta_i * decay *
+    |cos(k_i, k_j)| <= 1`` and ``|C_ij| <= scale``. The exact entries of ``X = (I + G)^-1`` are at most
+    1 (for j on the path to i, ``X_ij = -beta_i * decay * k_i^T H ... H k_j`` over the nodes between them,
+    each ``H = I - beta k k^T`` a contraction), but after ``s`` sweeps a row deeper than ``s`` holds a
+    partial Neumann sum: a sum over chains of ancestors, at most ``2^(d - 1)`` in magnitude for a tree
+    of depth ``d`` (binomially many chains, as for a chain of nearly equal keys). So fp16 is taken for
+    trees of depth at most `SWEEP_F16_MAX_DEPTH` (12: 2048, the drafters' trees are 8 deep) and
+    ``scale <= 256``; deeper trees, raw keys and fp32 inputs keep tf32 (tf32x3 for fp32). A guard in the
+    kernel instead (clamping those rows) cost more than fp16 saves. On the H200 (9B, `scripts/kernel_lab.py
+    --resident-cand`, BENCHMARKS.md): 5-8% faster at 64-node trees (B=16: 57.0 against 60.5 us; B=32:
+    109.4 against 119.0; 27B B=16: 82.4 against 88.4), the same at 16 nodes, errors unchanged.
     """
-    return dtype in (torch.bfloat16, torch.float16) and bool(use_qk_l2norm)
+    return (dtype in (torch.bfloat16, torch.float16) and bool(use_qk_l2norm) and depth <= SWEEP_F16_MAX_DEPTH
+            and scale <= 256.0)
 
 
 def gram_dtype(x: torch.Tensor):

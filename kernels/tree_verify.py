@@ -35,8 +35,8 @@ import triton.language as tl
 from bole_tune.config import KernelConfig, node_block
 from bole_tune.database import batch_bucket, tree_bucket
 from bole_tune.tree import TreeBatch
-from .common import (TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype, result_buffers, state_split,
-                     sweep_f16, token_head_strides, use_triton)
+from .common import (SWEEP_F16_MAX_DEPTH, TreeVerifyResult, check_verify_inputs, dot_precision, gram_dtype,
+                     result_buffers, state_split, sweep_f16, token_head_strides, use_triton)
 from .tree_verify_resident import RESIDENT_MAX_NODES, resident_split, state_products, tree_verify_resident_kernel
 
 VARIANTS = ("fused", "resident")
@@ -83,7 +83,7 @@ _RESIDENT_CHECKS: dict[tuple, bool] = {}
 
 
 def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtype, use_qk_l2norm: bool,
-                       device: torch.device, v_split: int = 1) -> bool:
+                       device: torch.device, v_split: int = 1, deep: bool = False) -> bool:
     """Whether the resident kernel computes correctly with ``config`` for this specialisation.
 
     Triton 3.6 miscompiles a few of the resident kernel's configs on the H200 (b_k <= 32 with 3 or
@@ -91,16 +91,19 @@ def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtyp
     So on a GPU the first launch of each compiled variant in a process is checked once, on a
     one-request instance of the same specialisation, against the float64 reference; a config that
     fails runs on the fused kernel instead (right for every config), with one warning. Inside a CUDA
-    graph capture no check can run: an unchecked config then runs on the fused kernel.
+    graph capture no check can run: an unchecked config then runs on the fused kernel. ``deep``: the
+    batch has a tree deeper than `common.SWEEP_F16_MAX_DEPTH` (another specialisation, checked on a chain).
     """
     if device.type != "cuda":
         return True  # the CPU interpreter runs the kernel's semantics, not a compiled binary
-    key = (config, b_t, v_split, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, gate_dtype, use_qk_l2norm, device)
+    key = (config, b_t, v_split, shape.hk, shape.hv, shape.dk, shape.dv, shape.scale, q_dtype, gate_dtype,
+           use_qk_l2norm, device, deep)
     ok = _RESIDENT_CHECKS.get(key)
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        error, tolerance = check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split)
+        error, tolerance = check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split,
+                                          deep)
         ok = _RESIDENT_CHECKS[key] = error <= tolerance
         if not ok:
             warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {config} "
@@ -110,22 +113,24 @@ def resident_config_ok(config: KernelConfig, b_t: int, shape, q_dtype, gate_dtyp
     return ok
 
 
-def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split=1) -> tuple[float, float]:
-    """(relative error, allowed error) of the resident kernel on one random ``b_t``-node request."""
+def check_resident(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, device, v_split=1,
+                   deep=False) -> tuple[float, float]:
+    """(relative error, allowed error) of the resident kernel on one random ``b_t``-node request (a chain
+    when ``deep``), with ``shape``'s scale: the same specialisation as the launch it vouches for."""
     from bole_tune.bench import accepted_error
     from bole_tune.workloads import make_inputs, make_tree, relative_error
 
     from .common import VerifyShape
     from .reference import verify_reference
 
-    tree = make_tree([b_t], seed=12345, device=device)
+    tree = make_tree([b_t], kind="chain" if deep else "random", seed=12345, device=device)
     x = make_inputs(tree, shape.hk, shape.hv, shape.dk, shape.dv, q_dtype, device, gate_dtype=gate_dtype, seed=12345)
-    one = VerifyShape(tree.num_nodes, 1, x.state.shape[0], shape.hk, shape.hv, shape.dk, shape.dv, shape.dk ** -0.5)
+    one = VerifyShape(tree.num_nodes, 1, x.state.shape[0], shape.hk, shape.hv, shape.dk, shape.dv, shape.scale)
     res = result_buffers(one, q_dtype, device, tree, None)
     strides = (x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1), x.v.stride(0), x.v.stride(1))
     _launch("resident", x.q, x.k, x.v, x.g, x.beta, x.state, x.state_indices, tree, one, res, config,
             use_qk_l2norm, strides, v_split)
-    ref = verify_reference(*x.args(tree), use_qk_l2norm=use_qk_l2norm, keep_states=False)
+    ref = verify_reference(*x.args(tree), scale=shape.scale, use_qk_l2norm=use_qk_l2norm, keep_states=False)
     # correct configs land near 2e-3 with 16-bit inputs, the miscompiled ones at 1.4e-2
     return relative_error(res.o, ref.o), accepted_error(q_dtype)
 
@@ -326,7 +331,8 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {shape.dv} "
                          f"(b_v = {config.b_v}), got {v_split!r}")
     if variant == "resident" and not resident_config_ok(config, node_block(tree.max_tree_size), shape, q.dtype,
-                                                        g.dtype, bool(use_qk_l2norm), q.device, v_split):
+                                                        g.dtype, bool(use_qk_l2norm), q.device, v_split,
+                                                        deep=tree.depth > SWEEP_F16_MAX_DEPTH):
         variant = "fused"
     _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, config, bool(use_qk_l2norm),
             (sq_n, sq_h, sk_n, sk_h, sv_n, sv_h), v_split)
@@ -343,7 +349,7 @@ def _launch(variant, q, k, v, g, beta, state, state_indices, tree, shape, res, c
     if variant == "resident":
         kernel = tree_verify_resident_kernel[(hv * v_split, shape.num_requests)]
         extra = {"V_SPLIT": v_split, "STATE_SPLIT": state_split(q.dtype, b_t),
-                 "SWEEP_F16": sweep_f16(q.dtype, use_qk_l2norm)}
+                 "SWEEP_F16": sweep_f16(q.dtype, use_qk_l2norm, tree.depth, shape.scale)}
         blocks = ()
     else:
         kernel, blocks, extra = tree_verify_fwd_kernel[(dv // config.b_v, hv, shape.num_requests)], (max_blocks,), {}

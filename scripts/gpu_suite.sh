@@ -26,7 +26,7 @@ for stage in $stages; do
         -q -p no:cacheprovider 2>&1 | tail -12 | tee -a "$LOG" ;;
     validate) timeout 110 bole-tune validate --production --prompts 2 --tokens 200 2>&1 | grep -v "falling back" \
         | tail -12 | tee -a "$LOG" ;;
-    gputests) timeout 170 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident or sixteen" \
+    gputests) timeout 170 python3 -m pytest tests/test_tree_verify.py -q -p no:cacheprovider -k "gpu or correlated or depth or resident or sixteen or sweeps" \
         2>&1 | tail -12 | tee -a "$LOG" ;;
     lookup) bole-tune bench --lookup 2>&1 | tee -a "$LOG" ;;
     exhaustive)

@@ -319,33 +319,43 @@ def test_correlated_keys_stay_accurate(device, dtype, variant):
     assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
 
 
+def test_fp16_sweeps_are_taken_where_they_stay_in_range():
+    from bole_tune.kernels.common import SWEEP_F16_MAX_DEPTH, sweep_f16
+
+    assert SWEEP_F16_MAX_DEPTH == 12
+    assert sweep_f16(BF16, True, 12, 0.09) and sweep_f16(F16, True, 8, 1.0)
+    assert not sweep_f16(BF16, True, 13, 0.09)  # partial sums past 2^11 on deeper trees
+    assert not sweep_f16(BF16, False, 8, 0.09)  # raw keys: G is not bounded by 1
+    assert not sweep_f16(F32, True, 8, 0.09) and not sweep_f16(BF16, True, 8, 1000.0)
+
+
 @pytest.mark.parametrize("keys", ["equal", "alternating"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_fp16_sweeps_on_deep_chains(device, dtype, keys):
-    """16-bit inputs with L2 norm run the resident kernel's level sweeps on fp16 operands. A 64-node chain
-    with nearly equal (or alternately opposite) keys, beta = 1, g = 0, takes 63 sweeps, and the partial
-    Neumann sums of its rows grow like binomial coefficients, past fp16's range: the kernel must bound
-    the rows that are not yet exact (without that: inf, then NaN in o)."""
-    from bole_tune.kernels.common import sweep_f16
-
-    assert sweep_f16(BF16, True) and sweep_f16(F16, True) and not sweep_f16(BF16, False) and not sweep_f16(F32, True)
-    tree = TreeBatch.from_parents([tree_parents(64, "chain"), tree_parents(40, "random", 8)], device=device)
-    x = make_inputs(tree, 1, 2, 32, 32, dtype, device, seed=11)
-    base = torch.randn(32, generator=torch.Generator().manual_seed(1))
-    noise = torch.randn(x.k.shape, generator=torch.Generator().manual_seed(2))
-    sign = torch.ones(tree.num_nodes, 1, 1)
-    if keys == "alternating":
-        sign[1::2] = -1.0
-    x.k.copy_((sign * base + 0.05 * noise).to(x.k.dtype))
-    x.beta.fill_(1.0)
-    x.g.zero_()
-    ref = verify_reference(*x.args(tree))
-    res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant="resident")
-    assert_close(res.o, ref.o, TOLERANCE[dtype], "o")
-    accepted = torch.tensor([63, 39], device=device)
-    before = x.state.clone()
-    tree_commit(x.state, x.state_indices, res, accepted)
-    assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype], "committed")
+    """16-bit inputs with L2 norm run the resident kernel's level sweeps on fp16 operands on trees up to
+    12 deep. Nearly equal (or alternately opposite) keys with beta = 1, g = 0 are the worst case: the
+    partial Neumann sums of a chain's rows grow like binomial coefficients. A chain of 13 nodes (depth
+    12, fp16) stays accurate; a chain of 64 (63 sweeps) must run on tf32, since in fp16 its partial sums
+    overflow (inf, then NaN in o)."""
+    for chain in (13, 64):
+        tree = TreeBatch.from_parents([tree_parents(chain, "chain"), tree_parents(40, "random", 8)], device=device)
+        x = make_inputs(tree, 1, 2, 32, 32, dtype, device, seed=11)
+        base = torch.randn(32, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(x.k.shape, generator=torch.Generator().manual_seed(2))
+        sign = torch.ones(tree.num_nodes, 1, 1)
+        if keys == "alternating":
+            sign[1::2] = -1.0
+        x.k.copy_((sign * base + 0.05 * noise).to(x.k.dtype))
+        x.beta.fill_(1.0)
+        x.g.zero_()
+        ref = verify_reference(*x.args(tree))
+        res = tree_verify(*x.args(tree), out=poisoned_out(x, tree), variant="resident")
+        assert_close(res.o, ref.o, TOLERANCE[dtype], f"o (chain of {chain})")
+        accepted = torch.tensor([chain - 1, 39], device=device)
+        before = x.state.clone()
+        tree_commit(x.state, x.state_indices, res, accepted)
+        assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[dtype],
+                     f"committed (chain of {chain})")
 
 
 def test_bf16_state_products_keep_sixteen_bits(device):
@@ -391,9 +401,9 @@ def test_resident_falls_back_to_fused_for_a_failing_config(device, monkeypatch):
     monkeypatch.setattr(tv, "_launch", lambda variant, *a, _f=tv._launch: launched.append(variant) or _f(variant, *a))
     original = tv.resident_config_ok
 
-    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev, v_split):
+    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev, v_split, **kw):
         return original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm,
-                        torch.device("cuda", 0) if dev.type == "cpu" else dev, v_split)
+                        torch.device("cuda", 0) if dev.type == "cpu" else dev, v_split, **kw)
 
     monkeypatch.setattr(tv, "resident_config_ok", as_on_a_gpu)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
