@@ -877,17 +877,18 @@ def readout_lab(out_path: str):
         record(rows, bench, "shipped", database_config(bench), tree_verify, model=model)
         plan = configs if not ranked else ranked[:4]
         times = {}
+        # where the state predicts v: the reference and the shipped verifier's error, once per case
+        tree, x, _ = bench.reference()
+        args = list(x.args(tree))
+        args[2] = predicted_values(x, tree)
+        ref = verify_closed_form(*args, dtype=torch.float64)
+        shipped_cancel = relative_error(tree_verify(*args, validate=False).o, ref.o)
         for config in plan:
             t = record(rows, bench, "readout", config, ro.tree_verify, model=model)
             if t is not None:
                 times[config] = t
-                tree, x, _ = bench.reference()
-                args = list(x.args(tree))
-                args[2] = predicted_values(x, tree)
-                ref = verify_closed_form(*args, dtype=torch.float64)
                 rows[-1]["o_err_cancel"] = relative_error(ro.tree_verify(*args, config=config).o, ref.o)
-                shipped = tree_verify(*args, validate=False)
-                rows[-1]["o_err_cancel_shipped"] = relative_error(shipped.o, ref.o)
+                rows[-1]["o_err_cancel_shipped"] = shipped_cancel
                 print(f"    predicted values: o err {rows[-1]['o_err_cancel']:.1e} "
                       f"(shipped {rows[-1]['o_err_cancel_shipped']:.1e})", flush=True)
         if not ranked:
@@ -974,29 +975,16 @@ def maxnreg_lab(out_path: str):
         pathlib.Path(out_path).write_text(json.dumps(rows, indent=1))
 
 
+LABS = {"--maxnreg": maxnreg_lab, "--readout": readout_lab, "--split": split_lab, "--commit-cand": commit_candidates,
+        "--resident-cand": resident_candidates, "--resident-lab": resident_lab, "--resident": resident,
+        "--factored-ablation": factored_ablation, "--factored": factored, "--ablation": ablation}
+
+
 def main():
-    if sys.argv[1] == "--maxnreg":
-        return maxnreg_lab(sys.argv[2])
-    if sys.argv[1] == "--readout":
-        return readout_lab(sys.argv[2])
-    if sys.argv[1] == "--split":
-        return split_lab(sys.argv[2])
-    if sys.argv[1] == "--commit-cand":
-        return commit_candidates(sys.argv[2])
-    if sys.argv[1] == "--resident-cand":
-        return resident_candidates(sys.argv[2])
-    if sys.argv[1] == "--resident-lab":
-        return resident_lab(sys.argv[2])
-    if sys.argv[1] == "--resident":
-        return resident(sys.argv[2])
-    if sys.argv[1] == "--factored-ablation":
-        return factored_ablation(sys.argv[2])
-    if sys.argv[1] == "--factored":
-        return factored(sys.argv[2])
     if sys.argv[1] == "--ncu":
         return ncu_case()
-    if sys.argv[1] == "--ablation":
-        return ablation(sys.argv[2])
+    if sys.argv[1] in LABS:
+        return LABS[sys.argv[1]](sys.argv[2])
     out_path = sys.argv[1]
     shape = load_model("qwen3.5-9b").gdn()
     old = load_fused()
