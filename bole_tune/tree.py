@@ -128,6 +128,14 @@ class TreeBatch:
             node = parents[node]
         return path[::-1]
 
+    def ancestor_mask(self, request: int, device=None) -> torch.Tensor:
+        """``[T, T]`` bool over one request's local nodes: ``mask[i, j]`` when node j is node i or one of
+        its ancestors (i's pre-order number lies in j's depth-first interval)."""
+        lo, hi = int(self.offsets[request]), int(self.offsets[request + 1])
+        enter = self.dfs_enter[lo:hi].to(device or "cpu").long()
+        exit_ = self.dfs_exit[lo:hi].to(device or "cpu").long()
+        return (enter[None, :] <= enter[:, None]) & (enter[:, None] <= exit_[None, :])
+
     def ancestor_table(self, width: int) -> torch.Tensor:
         """``[N, width]`` int32: for each node, its ancestor at distance 1..width.
 

@@ -103,12 +103,11 @@ def predicted_values(x: GDNInputs, tree: TreeBatch, residual: float = 0.03) -> t
     large terms, so the rounding of the state products shows in ``U`` (and in the committed state).
     Returned in ``x.v``'s dtype; q/k normalised as `tree_verify` does with ``use_qk_l2norm``.
     """
-    from bole_tune.kernels.reference import ancestor_mask, prepare_qk
-
     hv = x.v.shape[1]
-    _, kn = prepare_qk(x.q, x.k, hv, 1.0, True, torch.float64)  # [N, Hv, dk]
+    k = x.k.double()
+    kn = (k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(hv // k.shape[1], dim=1)
     offsets = tree.offsets.tolist()
-    logp = torch.cat([ancestor_mask(tree, r, x.g.device).double() @ x.g[offsets[r]:offsets[r + 1]].double()
+    logp = torch.cat([tree.ancestor_mask(r, x.g.device).double() @ x.g[offsets[r]:offsets[r + 1]].double()
                       for r in range(tree.num_requests)])  # path cumsum of g, [N, Hv]
     request = torch.repeat_interleave(torch.arange(tree.num_requests, device=x.v.device), tree.offsets.diff())
     state = x.state[x.state_indices.long()[request]].double()  # [N, Hv, dv, dk]

@@ -1,11 +1,17 @@
-"""Triton kernels of bole-tune (installed as ``bole_tune.kernels``)."""
+"""Triton kernels of bole-tune (installed as ``bole_tune.kernels``).
 
-from .common import TreeVerifyResult
-from .gdn_gates import gdn_gates
-from .serial_verify import serial_verify
-from .tree_commit import tree_commit
-from .tree_conv import tree_conv, tree_conv_commit
-from .tree_verify import tree_verify
+A leaf of the package: it imports torch, triton and the tree, shape and config types, nothing of the
+tuning, database or measurement layers. The verify op lives in `verify/` (docs/math.md has its math);
+the short convolution in `conv.py`, the gates in `gates.py`; the float64 references in `reference.py`.
+"""
 
-__all__ = ["TreeVerifyResult", "gdn_gates", "serial_verify", "tree_commit", "tree_conv", "tree_conv_commit",
-           "tree_verify"]
+from .conv import tree_conv, tree_conv_commit
+from .gates import gdn_gates
+from .verify.planner import Launch, LaunchPolicy, Planner
+from .verify.result import TreeVerifyResult
+from .verify.serial_verify import serial_verify
+from .verify.tree_commit import tree_commit
+from .verify.tree_verify import PLANNER, plan_launch, tree_verify
+
+__all__ = ["Launch", "LaunchPolicy", "PLANNER", "Planner", "TreeVerifyResult", "gdn_gates", "plan_launch",
+           "serial_verify", "tree_commit", "tree_conv", "tree_conv_commit", "tree_verify"]

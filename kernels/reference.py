@@ -1,10 +1,11 @@
 """Plain PyTorch implementations: the float64 ground truth and the dense closed form.
 
-`verify_reference` runs the recurrence node by node in float64 (../shared/DESIGN.md §1) and keeps
-every node's state: it is the ground truth of the tests and of the tuner's correctness gate.
-`verify_closed_form` / `commit_closed_form` evaluate Theorem 1 with dense tensors and a triangular
-solve: the CPU fallback of `tree_verify` / `tree_commit`, and an independent check that the closed
-form equals the recurrence.
+`verify_reference` runs the recurrence node by node in float64 (docs/math.md §1) and keeps every
+node's state: it is the ground truth of the tests, of the tuner's correctness gate and of the resident
+kernel's self-check. `verify_closed_form` / `commit_closed_form` evaluate the closed form (docs/math.md
+§2, §4) with dense tensors and a triangular solve: the CPU fallback of `tree_verify` / `tree_commit`,
+and an independent check that the closed form equals the recurrence. `tree_conv_reference` and
+`tree_conv_commit_reference` do the same for the short convolution (docs/math.md §5).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from bole_tune.tree import TreeBatch
-from .common import TreeVerifyResult, check_commit_inputs, check_verify_inputs, result_buffers
 
-L2_EPS = 1e-6
+from .common import L2_EPS
+from .verify.checks import check_commit_inputs, check_verify_inputs
+from .verify.result import TreeVerifyResult, result_buffers
 
 
 @dataclass
@@ -61,13 +63,13 @@ def verify_reference(q, k, v, g, beta, state, state_indices, tree: TreeBatch, sc
     """
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate=False)
     f64, device = torch.float64, q.device
-    qn, kn = prepare_qk(q.detach(), k.detach(), shape.hv, shape.scale, use_qk_l2norm, f64)
+    qn, kn = prepare_qk(q.detach(), k.detach(), shape.heads.hv, shape.scale, use_qk_l2norm, f64)
     v64 = v.detach().to(f64)
     gamma = torch.exp(g.detach().to(f64))
     beta64 = beta.detach().to(f64)
     pool = state.detach()
-    states = torch.empty(shape.num_nodes, shape.hv, shape.dv, shape.dk, dtype=f64, device=device) if keep_states else None
-    o = torch.empty(shape.num_nodes, shape.hv, shape.dv, dtype=f64, device=device)
+    states = torch.empty(shape.num_nodes, shape.heads.hv, shape.heads.dv, shape.heads.dk, dtype=f64, device=device) if keep_states else None
+    o = torch.empty(shape.num_nodes, shape.heads.hv, shape.heads.dv, dtype=f64, device=device)
     offsets = tree.offsets.tolist()
     for r, slot in enumerate(_ints(state_indices)):
         s_pre = pool[slot].to(f64)
@@ -96,25 +98,17 @@ def verify_reference(q, k, v, g, beta, state, state_indices, tree: TreeBatch, sc
     return ReferenceResult(o=o, states=states)
 
 
-def ancestor_mask(tree: TreeBatch, request: int, device=None) -> torch.Tensor:
-    """``[T, T]`` bool, ``mask[i, j]`` when node j is node i or one of its ancestors."""
-    lo, hi = int(tree.offsets[request]), int(tree.offsets[request + 1])
-    enter = tree.dfs_enter[lo:hi].to(device or "cpu").long()
-    exit_ = tree.dfs_exit[lo:hi].to(device or "cpu").long()
-    return (enter[None, :] <= enter[:, None]) & (enter[:, None] <= exit_[None, :])
-
-
 def verify_closed_form(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None,
                        use_qk_l2norm=True, validate=None, dtype=torch.float32,
                        out: TreeVerifyResult | None = None) -> TreeVerifyResult:
     """Theorem 1 with dense per-request tensors and a unit-triangular solve, in ``dtype``."""
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
-    qn, kn = prepare_qk(q, k, shape.hv, shape.scale, use_qk_l2norm, dtype)
+    qn, kn = prepare_qk(q, k, shape.heads.hv, shape.scale, use_qk_l2norm, dtype)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
     offsets = tree.offsets.tolist()
     for r, slot in enumerate(_ints(state_indices)):
         lo, hi = offsets[r], offsets[r + 1]
-        mask = ancestor_mask(tree, r, v.device)
+        mask = tree.ancestor_mask(r, v.device)
         strict = mask & ~torch.eye(hi - lo, dtype=torch.bool, device=v.device)
         logp = mask.to(dtype) @ g[lo:hi].to(dtype)  # [T, Hv]
         # exp(logP_i - logP_j) on the mask only: it is <= 1 there, and may overflow elsewhere.

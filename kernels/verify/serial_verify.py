@@ -3,9 +3,8 @@
 One program per (value tile, value head, request) walks the request's nodes in order. Each node
 reloads its parent's full ``[b_v, dk]`` state from a per-node fp32 snapshot buffer (or the slot, for
 a root), applies the delta rule and writes its own snapshot: the parent-to-child chain and the
-``[N, Hv, dv, dk]`` snapshot buffer (64 KiB per node and head at dk = dv = 128) are what
-../shared/DESIGN.md §3 describes. It also produces the factors `tree_commit` needs, so both
-verifiers share one commit.
+``[N, Hv, dv, dk]`` snapshot buffer (64 KiB per node and head at dk = dv = 128) are what Bole removes
+(docs/math.md §4). It also produces the factors `tree_commit` needs, so both verifiers share one commit.
 """
 
 from __future__ import annotations
@@ -15,7 +14,11 @@ import triton
 import triton.language as tl
 
 from bole_tune.tree import TreeBatch
-from .common import TreeVerifyResult, check_verify_inputs, result_buffers, token_head_strides, use_triton
+
+from ..common import token_head_strides, use_triton
+from ..reference import verify_closed_form
+from .checks import check_verify_inputs
+from .result import TreeVerifyResult, result_buffers
 
 
 @triton.jit
@@ -79,19 +82,19 @@ def serial_verify_kernel(
 
 
 def serial_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
-                  config=None, validate: bool | None = None, block_v: int = 16,
+                  validate: bool | None = None, block_v: int = 16,
                   out: TreeVerifyResult | None = None) -> TreeVerifyResult:
-    """Same arguments and result as `tree_verify`, computed the way serial engines do.
+    """Same inputs and result as `tree_verify`, computed the way serial engines do.
 
-    ``config`` is accepted for signature parity and ignored; ``block_v`` is the value tile (the
-    engines' serial kernels use 16 or 32 columns per program with the whole dk resident).
+    ``block_v`` is the value tile (the engines' serial kernels use 16 or 32 columns per program with
+    the whole dk resident).
     """
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
     if not use_triton(q.device):
-        from .reference import verify_closed_form
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
-    n, hv, hk, dk, dv = shape.num_nodes, shape.hv, shape.hk, shape.dk, shape.dv
+    n, h = shape.num_nodes, shape.heads
+    hv, hk, dk, dv = h.hv, h.hk, h.dk, h.dv
     block_v = min(block_v, dv)
     q, sq_n, sq_h = token_head_strides(q)
     k, sk_n, sk_h = token_head_strides(k)

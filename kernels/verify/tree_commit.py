@@ -1,13 +1,13 @@
 """Commit of the accepted path: one launch writes every request's new state into its slot.
 
-``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (../shared/DESIGN.md §2): each
+``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (docs/math.md §4): each
 program owns ``v_span`` rows (by default all of them) and ``b_k`` columns of one head's slot and
 streams them in ``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in
 flight. The path to the accepted node ``a`` holds the nodes whose depth-first interval contains
 ``a``, one per depth; the program gathers them 16 at a time by depth (no walk up the parents), once
 for its whole span, so the sum is a dot product over the path alone, not over the whole tree.
 On the H200 (9B, B=16) the default 128/16/2 warps/span 128/3 stages took 28.3 us against 41.7 us for
-one 32-row tile per program (BENCHMARKS.md).
+one 32-row tile per program (BENCHMARKS.md, "tree_commit").
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ import triton
 import triton.language as tl
 
 from bole_tune.config import node_block
-from .common import TreeVerifyResult, check_commit_inputs, use_triton
+
+from ..common import use_triton
+from ..reference import commit_closed_form
+from .checks import check_commit_inputs
+from .result import TreeVerifyResult
 
 
 @triton.jit
@@ -94,7 +98,6 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
     """
     check_commit_inputs(state, state_indices, res, accepted, validate)
     if not use_triton(state.device):
-        from .reference import commit_closed_form
         commit_closed_form(state, state_indices, res, accepted, validate=False)
         return
     _, hv, dv = res.u.shape

@@ -18,11 +18,13 @@ import triton
 import triton.language as tl
 
 from bole_tune.tree import TreeBatch
+
 from .common import INDEX_DTYPES, INPUT_DTYPES, raise_first, slot_checks, use_triton, validation_enabled
+from .reference import tree_conv_commit_reference, tree_conv_reference
 
 
 @triton.jit
-def tree_conv_fwd_kernel(
+def tree_conv_kernel(
     # pointers
     x_ptr, weight_ptr, conv_state_ptr, state_indices_ptr, ancestors_ptr, request_ptr, y_ptr,
     # sizes and strides
@@ -155,7 +157,6 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
                             or out.device != x.device or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}")
     if not use_triton(x.device):
-        from .reference import tree_conv_reference
         y = tree_conv_reference(x, conv_state, weight, state_indices, tree, activation)
         return out.copy_(y) if out is not None else y
     if x.stride(-1) != 1:
@@ -164,7 +165,7 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_n, block_c = 16, 128
     grid = (triton.cdiv(tree.num_nodes, block_n), triton.cdiv(channels, block_c))
-    tree_conv_fwd_kernel[grid](
+    tree_conv_kernel[grid](
         x, weight, conv_state, state_indices, tree.ancestor_table(width - 1), tree.request_of_node(), y,
         tree.num_nodes, channels, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), y.stride(0),
         WIDTH=width, BLOCK_N=block_n, BLOCK_C=block_c, APPLY_SILU=activation == "silu",
@@ -188,7 +189,6 @@ def tree_conv_commit(conv_state, state_indices, x, tree: TreeBatch, accepted, va
         if bool(((accepted < -1) | (accepted >= sizes)).any()):
             raise ValueError("accepted: has an entry out of range (expected -1 or a local node index)")
     if not use_triton(x.device):
-        from .reference import tree_conv_commit_reference
         tree_conv_commit_reference(conv_state, state_indices, x, tree, accepted)
         return
     if x.stride(-1) != 1:

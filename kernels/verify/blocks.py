@@ -1,0 +1,88 @@
+"""`@triton.jit` blocks both verify kernels (fused and resident) are built from (docs/math.md §2-3).
+
+Each is inlined where it is called, so sharing them costs nothing at run time. Register tiles are
+``b_*``, offsets ``o_*``, masks ``m_*``; rows ``i`` are the nodes being solved, columns ``j`` the
+nodes they may descend from.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def qk_chunk_gram(q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
+                  stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K,
+                  b_qk, b_kk, ssq_q, ssq_k,
+                  D_K: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  GRAM_DTYPE: tl.constexpr):
+    """One ``b_k`` chunk of the rows' q and k: load it, add its Gram products ``Q K^T`` and ``K K^T`` and
+    the squared norms, and keep the raw keys for the commit (``write_keys``: one program per key head).
+
+    Returns the chunk (``b_q``, ``b_k``, for the caller's state products) and the updated accumulators.
+    ``GRAM_DTYPE`` is the inputs' dtype on a GPU, fp32 in the CPU interpreter (exact; `common.gram_dtype`).
+    """
+    b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :], mask=m_i[:, None], other=0)
+    b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :], mask=m_i[:, None], other=0)
+    b_qk = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_qk, input_precision=DOT_PRECISION)
+    b_kk = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_k.to(GRAM_DTYPE)), b_kk, input_precision=DOT_PRECISION)
+    if USE_QK_L2NORM:
+        ssq_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        ssq_k += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    tl.store(k_out_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], b_k, mask=m_i[:, None] & write_keys)
+    return b_q, b_k, b_qk, b_kk, ssq_q, ssq_k
+
+
+@triton.jit
+def norm_scales(ssq_q, ssq_k, scale, B_T: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """(r_q, r_k): what multiplies each row's raw q and k (the L2 norm, and q's scale)."""
+    if USE_QK_L2NORM:
+        r_q = scale / tl.sqrt(ssq_q + 1e-6)
+        r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    else:
+        r_q = tl.full([B_T], scale, dtype=tl.float32)
+        r_k = tl.full([B_T], 1.0, dtype=tl.float32)
+    return r_q, r_k
+
+
+@triton.jit
+def ancestry(enter_i, enter_j, exit_j):
+    """``[i, j]``: node j is node i or one of its ancestors (i's pre-order number lies in j's interval)."""
+    return (enter_j[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_j[None, :])
+
+
+@triton.jit
+def solve_factors(m_anc, logp_i, logp_j, b_beta, r_q, r_k_i, r_k_j, b_qk, b_kk):
+    """The blocks ``G_ij = beta_i exp(logP_i - logP_j) k_i.k_j`` and ``C_ij = exp(logP_i - logP_j) q_i.k_j``
+    on the ancestor mask, from the raw Gram products and the norm scales. The decay is taken on the mask
+    only, where it is at most 1 (off the mask it could overflow). The caller removes G's diagonal."""
+    decay = tl.exp(tl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
+    b_g = (b_beta * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk
+    b_c = r_q[:, None] * decay * r_k_j[None, :] * b_qk
+    return b_g, b_c
+
+
+@triton.jit
+def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+                   STATE_SPLIT: tl.constexpr):
+    """``Q S^T`` and ``K S^T`` of one ``b_k`` chunk, added to ``b_qs`` and ``b_ks``.
+
+    With ``STATE_SPLIT`` (the planner's ``state_split``: bf16 inputs on 64-row node blocks) the fp32
+    state tile is taken as two bf16 parts, ``hi = bf16(S)`` and ``lo = bf16(S - hi)``, each multiplied
+    by the bf16 q/k tiles as they are: 16 significant bits of S (tf32 keeps 11), fp32 accumulation,
+    bf16 tensor cores (twice the tf32 rate) and no q/k widening. Otherwise q/k are widened to fp32
+    and multiplied at ``DOT_PRECISION``.
+    """
+    if STATE_SPLIT:
+        b_hi = b_s.to(tl.bfloat16)
+        b_lo = tl.trans((b_s - b_hi.to(tl.float32)).to(tl.bfloat16)).to(GRAM_DTYPE)
+        b_hi = tl.trans(b_hi).to(GRAM_DTYPE)
+        b_q = b_q.to(GRAM_DTYPE)
+        b_k = b_k.to(GRAM_DTYPE)
+        b_qs = tl.dot(b_q, b_lo, tl.dot(b_q, b_hi, b_qs))
+        b_ks = tl.dot(b_k, b_lo, tl.dot(b_k, b_hi, b_ks))
+    else:
+        b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
+        b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
+    return b_qs, b_ks

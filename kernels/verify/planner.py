@@ -1,0 +1,271 @@
+"""The launch planner: everything a `tree_verify` launch runs with, decided in one place.
+
+Given the head shape, the input dtype, the batch's tree (requests, largest tree, depth), the device
+and optionally a config or a kernel variant, `Planner.plan` returns the whole `Launch`: which kernel
+(fused or resident), its tile config, its node block, the resident kernel's value split and the two
+precision switches (state split, fp16 sweeps). The runtime (`tree_verify`), the benchmarks, the
+profiler, the precompiler and the tuner's runner all ask it, so what is timed and recorded is what
+runs.
+
+Tuned configs come from a *config source*: a function ``(heads, dtype, max_tree_size, num_requests,
+device) -> (KernelConfig, variant tuned on or None)``. The kernels do not read the tuning database
+themselves; the default source is `DEFAULT_CONFIG_SOURCE`, a module path resolved the first time a
+launch on a GPU asks for a tuned config (the database layer, which sits above the kernels). Tests and
+engines pass their own with `Planner(config_source=...)`.
+
+The planner also owns the resident kernel's self-check: Triton 3.6 miscompiles a few resident configs
+on the H200 (b_k <= 32 with 3+ stages and 128-wide value tiles came out at relative error 1.4e-2), so
+the first resident launch of each specialisation in a process is checked once against the float64
+reference on a one-request instance; a config that fails runs on the fused kernel instead, with one
+warning. The check is injectable (``self_check=``) and its results are cached per specialisation.
+
+Every threshold measured on a GPU lives in `LaunchPolicy` (`H200_POLICY`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from bole_tune.config import KernelConfig, default_config, node_block
+from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
+
+from .resident import RESIDENT_MAX_NODES
+
+VARIANTS = ("fused", "resident")
+DEFAULT_CONFIG_SOURCE = "bole_tune.lookup:tuned_launch"
+
+
+@dataclass(frozen=True)
+class LaunchPolicy:
+    """The GPU-specific thresholds of the planner, measured on the H200 (9B/27B/122B heads, bf16;
+    BENCHMARKS.md, "Choosing the kernel and its switches").
+
+    resident_min_heads: (batch bucket x value heads) from which the resident kernel runs: from 512 it
+        beats the fused kernel (B=16 T=64: 63 against 87 us; T=16: 23 against 26 us).
+    resident_min_heads_large_trees, large_tree: from 256 heads it wins on trees of more than 32 nodes
+        (B=8 T=64: 32 against 45 us), but not on small ones (B=8 T=8: 13.5 against 12.1 us).
+    resident_target_programs: the resident kernel splits a head's value rows over 2, 4, ... programs
+        while a launch has fewer programs than this (9B B=1 T=64: 4 parts 17.4 us, one 24.8 us; at
+        B=4, 128 programs, 2 parts gain nothing).
+    state_split_min_block: bf16 inputs take S_pre as two bf16 parts in the resident kernel's state
+        products from this node block on (T=64: 3-10% faster, 9B B=16 61.8 against 64.0 us, and 2.5x
+        more accurate where the state predicts v; mixed on smaller trees).
+    sweep_f16_max_depth, sweep_f16_max_scale: the resident kernel's level sweeps run on fp16 tensor
+        cores for 16-bit inputs with L2-normalised keys, trees at most this deep (partial sums stay
+        below 2^(depth - 1) = 2048) and q scales at most this large (5-8% faster at T=64).
+    """
+
+    resident_min_heads: int = 512
+    resident_min_heads_large_trees: int = 256
+    large_tree: int = 32
+    resident_target_programs: int = 128
+    state_split_min_block: int = 64
+    sweep_f16_max_depth: int = 12
+    sweep_f16_max_scale: float = 256.0
+
+    def variant(self, num_requests: int, hv: int, max_tree_size: int) -> str:
+        """The kernel for this batch, decided on its buckets (not exact sizes), so a tuned config always
+        runs on the kernel it was tuned for."""
+        heads, size = batch_bucket(num_requests) * hv, tree_bucket(max_tree_size)
+        if max_tree_size <= RESIDENT_MAX_NODES and (
+                heads >= self.resident_min_heads or (heads >= self.resident_min_heads_large_trees
+                                                     and size > self.large_tree)):
+            return "resident"
+        return "fused"
+
+    def value_split(self, num_requests: int, hv: int, dv: int, b_v: int) -> int:
+        """Programs sharing one head's value rows in the resident kernel: 1 at large batches, up to
+        ``dv / b_v`` at small ones; each part recomputes the head's factors (``T^3``) and streams
+        ``dv / parts`` rows of ``S_pre``. Decided on the batch bucket, as tuned."""
+        parts, programs = 1, batch_bucket(num_requests) * hv
+        while 2 * parts * b_v <= dv and programs * 2 * parts <= self.resident_target_programs:
+            parts *= 2
+        return parts
+
+    def state_split(self, dtype: torch.dtype, block: int) -> bool:
+        """S_pre as two bf16 parts (16 significant bits against tf32's 11) in the resident kernel: bf16
+        inputs on large node blocks only. fp16 keeps tf32 (an fp16 part would overflow past 65504), fp32
+        tf32x3; the fused kernel never splits (up to 47% slower with it, and a miscompiled config)."""
+        return dtype == torch.bfloat16 and block >= self.state_split_min_block
+
+    def sweep_f16(self, dtype: torch.dtype, use_qk_l2norm: bool, depth: int, scale: float) -> bool:
+        """fp16 operands for the resident kernel's level sweeps: exact entries of ``(I + G)^-1`` are at most
+        1 with L2-normalised keys and beta in [0, 1], but a row deeper than the sweeps done holds a partial
+        Neumann sum of up to ``2^(depth - 1)`` (docs/math.md §3); fp16 keeps tf32's 11 bits at twice its
+        rate and lacks only range."""
+        return (dtype in (torch.bfloat16, torch.float16) and bool(use_qk_l2norm)
+                and depth <= self.sweep_f16_max_depth and scale <= self.sweep_f16_max_scale)
+
+
+H200_POLICY = LaunchPolicy()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One verification launch, as it runs.
+
+    variant: "fused" or "resident"; config: its tiles; node_block: rows solved together (``B_T``);
+    v_split: the resident kernel's programs per head (1 for the fused kernel); state_split, sweep_f16:
+    the resident kernel's precision switches (False for the fused kernel); fallback: why a resident
+    launch was moved to the fused kernel ("" if it was not), with the self-check's error if it failed.
+    """
+
+    variant: str
+    config: KernelConfig
+    node_block: int
+    v_split: int = 1
+    state_split: bool = False
+    sweep_f16: bool = False
+    fallback: str = ""
+    fallback_error: float | None = None
+
+    def replace(self, **changes) -> "Launch":
+        """A copy with some fields changed: how a benchmark compares switches on the shipped kernels."""
+        return dataclasses.replace(self, **changes)
+
+
+def _power_of_two(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
+
+
+SelfCheck = Callable[..., tuple[float, float]]
+
+
+class Planner:
+    """Plans launches under one `LaunchPolicy`, with one config source and one self-check cache."""
+
+    def __init__(self, policy: LaunchPolicy = H200_POLICY, config_source: Callable | None = None,
+                 self_check: SelfCheck | None = None):
+        self.policy = policy
+        self._config_source = config_source
+        self.self_check = self_check
+        self.checks: dict[tuple, tuple[float, float]] = {}
+
+    @property
+    def config_source(self) -> Callable:
+        if self._config_source is None:
+            module, name = DEFAULT_CONFIG_SOURCE.split(":")
+            self._config_source = getattr(importlib.import_module(module), name)
+        return self._config_source
+
+    def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
+             device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
+             scale: float | None = None, use_qk_l2norm: bool = True, gate_dtype: torch.dtype = torch.float32,
+             check: bool = True) -> Launch:
+        """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
+        deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
+
+        config: None takes the tuned one (on a GPU; the default elsewhere), and then, with ``variant=None``,
+            the kernel it was tuned on. variant: force "fused" or "resident". v_split: force the resident
+            kernel's value split (a power of two with ``v_split * b_v <= dv``). check: run the resident
+            self-check (a launch that fails it comes back on the fused kernel with ``fallback`` set).
+        """
+        device = torch.device(device)
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
+        if v_split is not None and not _power_of_two(v_split):
+            raise ValueError(f"v_split: expected a power of two (programs per head) or None, got {v_split!r}")
+        if variant == "resident" and max_tree_size > RESIDENT_MAX_NODES:
+            raise ValueError(f"variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
+                             f"this batch has a tree of {max_tree_size}")
+        if config is None:
+            if device.type == "cuda":
+                config, tuned_on = self.config_source(heads, dtype, max_tree_size, num_requests, device)
+                if variant is None and tuned_on in VARIANTS and (tuned_on == "fused"
+                                                                 or max_tree_size <= RESIDENT_MAX_NODES):
+                    variant = tuned_on
+            else:
+                config = default_config(heads.dk, heads.dv)
+        if not isinstance(config, KernelConfig):
+            raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
+        if not config.fits(heads.dk, heads.dv):
+            raise ValueError(f"config: tiles b_k={config.b_k}, b_v={config.b_v} must divide dk={heads.dk}, dv={heads.dv}")
+        if v_split is not None and v_split * config.b_v > heads.dv:
+            raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {heads.dv} "
+                             f"(b_v = {config.b_v}), got {v_split!r}")
+        variant = variant or self.policy.variant(num_requests, heads.hv, max_tree_size)
+        block = node_block(max_tree_size)
+        if variant == "fused":
+            return Launch("fused", config, block)
+        scale = heads.dk ** -0.5 if scale is None else float(scale)
+        launch = Launch("resident", config, block,
+                        v_split=v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v),
+                        state_split=self.policy.state_split(dtype, block),
+                        sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale))
+        if not check:
+            return launch
+        return self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
+                            deep=depth > self.policy.sweep_f16_max_depth)
+
+    def check_launch(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, max_tree_size: int, depth: int,
+                     scale: float, use_qk_l2norm: bool) -> None:
+        """Refuse a given ``launch`` that cannot run this batch correctly (naming the field)."""
+        if not isinstance(launch, Launch):
+            raise TypeError(f"launch: expected a Launch (plan_launch), got {type(launch).__name__}")
+        if launch.variant not in VARIANTS:
+            raise ValueError(f"launch.variant: expected one of {VARIANTS}, got {launch.variant!r}")
+        if not isinstance(launch.config, KernelConfig) or not launch.config.fits(heads.dk, heads.dv):
+            raise ValueError(f"launch.config: {launch.config} does not tile dk={heads.dk}, dv={heads.dv}")
+        block = node_block(max_tree_size)
+        if launch.node_block != block:
+            raise ValueError(f"launch.node_block: {launch.node_block}, but a batch whose largest tree has "
+                             f"{max_tree_size} nodes is solved in blocks of {block}")
+        if launch.variant == "fused":
+            if launch.v_split != 1 or launch.state_split or launch.sweep_f16:
+                raise ValueError("launch: the fused kernel has no value split, state split or fp16 sweeps "
+                                 f"(got v_split={launch.v_split}, state_split={launch.state_split}, "
+                                 f"sweep_f16={launch.sweep_f16})")
+            return
+        if max_tree_size > RESIDENT_MAX_NODES:
+            raise ValueError(f"launch.variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per "
+                             f"request; this batch has a tree of {max_tree_size}")
+        if not _power_of_two(launch.v_split) or launch.v_split * launch.config.b_v > heads.dv:
+            raise ValueError(f"launch.v_split: expected a power of two with v_split * b_v <= dv = {heads.dv}, "
+                             f"got {launch.v_split!r}")
+        if launch.state_split and dtype != torch.bfloat16:
+            raise ValueError(f"launch.state_split: splits S_pre into bf16 parts, for bf16 inputs only (got {dtype})")
+        if launch.sweep_f16 and not self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale):
+            raise ValueError("launch.sweep_f16: fp16 sweeps need 16-bit inputs, L2-normalised keys, trees at most "
+                             f"{self.policy.sweep_f16_max_depth} deep and scale <= {self.policy.sweep_f16_max_scale} "
+                             f"(this batch: {dtype}, depth {depth}, scale {scale:g})")
+
+    def checked(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, gate_dtype: torch.dtype, scale: float,
+                use_qk_l2norm: bool, device: torch.device, deep: bool) -> Launch:
+        """``launch``, or the same config on the fused kernel if it is a resident launch whose compiled
+        specialisation fails the self-check (checked once per process and specialisation; ``deep``: a
+        batch deeper than the fp16 sweeps allow, checked on a chain). Inside a CUDA graph capture no
+        check can run: an unchecked specialisation runs on the fused kernel."""
+        if launch.variant != "resident" or device.type != "cuda" or self.self_check is None:
+            return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
+        key = (launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16, heads,
+               float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
+        result = self.checks.get(key)
+        if result is None:
+            if torch.cuda.is_current_stream_capturing():
+                return Launch("fused", launch.config, launch.node_block,
+                              fallback="not checked yet, and no check can run inside a CUDA graph capture")
+            result = self.checks[key] = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm,
+                                                        device, deep)
+            error, tolerance = result
+            if not error <= tolerance:
+                warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {launch.config} "
+                              f"(value split {launch.v_split}) at {launch.node_block}-row trees on "
+                              f"{torch.cuda.get_device_name(device)} (relative error {error:.1e} against the float64 "
+                              "reference; a Triton miscompile); running the fused kernel for this config instead",
+                              stacklevel=4)
+        error, tolerance = result
+        if error <= tolerance:
+            return launch
+        return Launch("fused", launch.config, launch.node_block, fallback_error=error,
+                      fallback=f"the resident kernel's self-check: relative error {error:.2e} against the float64 "
+                               "reference (a Triton miscompile); runs on the fused kernel")
+
+    def clear(self) -> None:
+        """Forget the self-check results (the next resident launch of each specialisation checks again)."""
+        self.checks.clear()

@@ -1,0 +1,66 @@
+"""What a verification call returns (the outputs and the factors the commit needs), and its buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bole_tune.shapes import HeadShape
+from bole_tune.tree import TreeBatch
+
+
+@dataclass
+class TreeVerifyResult:
+    """Outputs of one verification call and the factors `tree_commit` needs (docs/math.md §4).
+
+    o: ``[N, Hv, dv]`` in v's dtype, every node's output.
+    u: ``[N, Hv, dv]`` float32, the factorized updates ``U = (I + G)^-1 R``.
+    log_decay: ``[N, Hv]`` float32, ``logP`` (path cumulative sum of g).
+    k: ``[N, Hk, dk]`` in k's dtype, a copy of the raw keys (inputs may be reused before commit).
+    k_scale: ``[N, Hk]`` float32, the factor that normalises each key (1 without L2 norm).
+    tree: the trees verified.
+    """
+
+    o: torch.Tensor
+    u: torch.Tensor
+    log_decay: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    tree: TreeBatch
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """The sizes of one verification call: its head shape, nodes, requests, pool slots and q scale."""
+
+    heads: HeadShape
+    num_nodes: int
+    num_requests: int
+    num_slots: int
+    scale: float
+
+
+def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBatch,
+                   out: TreeVerifyResult | None) -> TreeVerifyResult:
+    """Fresh output buffers, or ``out`` (for example reused across layers) after checking it fits."""
+    h, n = shape.heads, shape.num_nodes
+    expected = {
+        "o": ((n, h.hv, h.dv), dtype),
+        "u": ((n, h.hv, h.dv), torch.float32),
+        "log_decay": ((n, h.hv), torch.float32),
+        "k": ((n, h.hk, h.dk), dtype),
+        "k_scale": ((n, h.hk), torch.float32),
+    }
+    if out is None:
+        buffers = {name: torch.empty(size, dtype=dt, device=device) for name, (size, dt) in expected.items()}
+        return TreeVerifyResult(tree=tree, **buffers)
+    if not isinstance(out, TreeVerifyResult):
+        raise TypeError(f"out: expected a TreeVerifyResult to write into, got {type(out).__name__}")
+    for name, (size, dt) in expected.items():
+        x = getattr(out, name)
+        if tuple(x.shape) != size or x.dtype != dt or x.device != torch.device(device) or not x.is_contiguous():
+            raise ValueError(f"out.{name}: expected a contiguous {dt} tensor of shape {size} on {device}, "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    out.tree = tree
+    return out

@@ -1,0 +1,75 @@
+"""`tree_verify`: the Bole verifier's public entry, and the process's launch planner.
+
+The work is the closed form of docs/math.md §2 on one of two kernels (`fused.py`, any tree size;
+`resident.py`, trees of at most 64 nodes, one program per head); `PLANNER` decides which, with which
+tiles and switches (`planner.py`), and `run.py` launches it.
+"""
+
+from __future__ import annotations
+
+from bole_tune.config import KernelConfig
+from bole_tune.shapes import HeadShape
+from bole_tune.tree import TreeBatch
+
+from ..common import use_triton
+from ..reference import verify_closed_form
+from .checks import check_verify_inputs
+from .planner import Launch, Planner
+from .result import TreeVerifyResult, result_buffers
+from .run import run_launch
+from .self_check import check_resident
+
+PLANNER = Planner(self_check=check_resident)
+"""The planner every launch of this process goes through (one config source, one self-check cache)."""
+
+
+def plan_launch(heads: HeadShape, dtype, **kwargs) -> Launch:
+    """`Planner.plan` of the process's planner: what `tree_verify` would launch (keywords as there)."""
+    return PLANNER.plan(heads, dtype, **kwargs)
+
+
+def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
+                config: KernelConfig | None = None, validate: bool | None = None,
+                out: TreeVerifyResult | None = None, variant: str | None = None,
+                v_split: int | None = None, launch: Launch | None = None) -> TreeVerifyResult:
+    """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
+
+    Args:
+        q, k: ``[N, Hk, dk]``; v: ``[N, Hv, dv]`` (Hv a multiple of Hk); bf16, fp16 or fp32.
+        g: ``[N, Hv]`` log-decay (<= 0); beta: ``[N, Hv]`` in [0, 1]; float32 or the inputs' dtype.
+        state: ``[num_slots, Hv, dv, dk]`` float32 pool; state_indices: ``[B]`` slot of each request.
+        tree: the proposal trees (`TreeBatch`), on the inputs' device.
+        scale: multiplies q (default ``dk ** -0.5``); use_qk_l2norm: L2-normalise q and k first.
+        config: tile configuration; None takes the tuned one for this GPU and shape.
+        validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
+        out: a `TreeVerifyResult` to write into instead of allocating (buffers reused across layers).
+        variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head)
+            or None: with ``config=None`` the kernel the database's config was tuned on, else the
+            planner's choice by batch and tree size. Both give the same results.
+        v_split: the resident kernel's programs per head (a power of two, at most ``dv / b_v``); None:
+            the planner's for the batch's bucket (what the tuner timed). Ignored by the fused kernel.
+        launch: a whole `Launch` (from `plan_launch`, perhaps with switches changed) instead of
+            config/variant/v_split; it is checked against this batch.
+
+    Returns:
+        `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
+    """
+    shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    deep = tree.depth > PLANNER.policy.sweep_f16_max_depth
+    if launch is None:
+        launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
+                              max_tree_size=tree.max_tree_size, depth=tree.depth, device=q.device, config=config,
+                              variant=variant, v_split=v_split, scale=shape.scale,
+                              use_qk_l2norm=bool(use_qk_l2norm), gate_dtype=g.dtype)
+    else:
+        if (config, variant, v_split) != (None, None, None):
+            raise ValueError("launch: give either a launch or config/variant/v_split, not both")
+        PLANNER.check_launch(launch, shape.heads, q.dtype, tree.max_tree_size, tree.depth, shape.scale,
+                             bool(use_qk_l2norm))
+        launch = PLANNER.checked(launch, shape.heads, q.dtype, g.dtype, shape.scale, bool(use_qk_l2norm), q.device,
+                                 deep)
+    if not use_triton(q.device):
+        return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
+                                  validate=False, out=out)
+    res = result_buffers(shape, q.dtype, q.device, tree, out)
+    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, bool(use_qk_l2norm))
