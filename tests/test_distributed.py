@@ -1,15 +1,18 @@
 """Distributed tuning: worker processes sharing studies in PostgreSQL, SIGKILL and resume, crashes.
 
 The PostgreSQL tests need a real server: `.ci/run` starts one (scripts/start_postgres.sh) and sets
-BOLE_TUNE_TEST_POSTGRES; run locally, the fixture starts one the same way, or skips visibly (fails
-when BOLE_TUNE_REQUIRE_POSTGRES=1, as in CI).
+BOLE_TUNE_TEST_POSTGRES; run locally, the fixture starts one the same way (its own, on a free port,
+stopped again after the tests), or skips visibly (fails when BOLE_TUNE_REQUIRE_POSTGRES=1, as in CI).
 """
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -27,17 +30,35 @@ SPACE = SearchSpace.load()
 BEST = min(synthetic_cost(c) for c in SPACE.configs())
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def postgres_url():
+    """The server of BOLE_TUNE_TEST_POSTGRES, else one of our own on a free port and in a fresh data
+    folder (so it is never someone else's server), stopped and removed when the module is done."""
     url = os.environ.get("BOLE_TUNE_TEST_POSTGRES")
-    if not url:
-        started = subprocess.run(["bash", str(ROOT / "scripts" / "start_postgres.sh")], capture_output=True, text=True)
+    if url:
+        yield url
+        return
+    script, port = str(ROOT / "scripts" / "start_postgres.sh"), str(free_port())
+    data = tempfile.mkdtemp(prefix="bole-tune-pg-test-")
+    env = {**os.environ, "BOLE_TUNE_PG_DATA": data}
+    try:
+        started = subprocess.run(["bash", script, port], capture_output=True, text=True, env=env)
         url = started.stdout.strip().splitlines()[-1] if started.returncode == 0 and started.stdout.strip() else ""
-    if not url:
-        if os.environ.get("BOLE_TUNE_REQUIRE_POSTGRES") == "1":
-            pytest.fail("PostgreSQL is required here but could not be started (scripts/start_postgres.sh)")
-        pytest.skip("no PostgreSQL server (scripts/start_postgres.sh could not start one)")
-    return url
+        if not url:
+            if os.environ.get("BOLE_TUNE_REQUIRE_POSTGRES") == "1":
+                pytest.fail("PostgreSQL is required here but could not be started (scripts/start_postgres.sh): "
+                            + started.stderr[-500:])
+            pytest.skip("no PostgreSQL server (scripts/start_postgres.sh could not start one)")
+        yield url
+    finally:
+        subprocess.run(["bash", script, "stop", port], capture_output=True, text=True, env=env)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def recording(tmp_path, name, crashes=()):
