@@ -17,7 +17,7 @@ import torch
 
 from bole_tune import database
 from bole_tune.bench import COPY_BANDWIDTH_H200, BenchCase
-from bole_tune.profiles import GDNShape
+from bole_tune.shapes import HeadShape
 
 
 def matrix(title: str, values: dict, batches, sizes, fmt) -> str:
@@ -37,7 +37,7 @@ def main(path: str = "tuning_db/nvidia-h200.yaml") -> None:
         by_kernel = {c["kernel"]: c for c in curves.values() if c["model"] == model and c.get("tp", 1) == 1}
         if "tree_verify_tuned" not in by_kernel:
             continue
-        shape = GDNShape(**{k: by_kernel["tree_verify_tuned"]["shape"][k] for k in ("hk", "hv", "dk", "dv")})
+        shape = HeadShape(**{k: by_kernel["tree_verify_tuned"]["shape"][k] for k in ("hk", "hv", "dk", "dv")})
         p50 = {k: {(p["batch"], p["tree_size"]): p["p50"] for p in c["points"]} for k, c in by_kernel.items()}
         tuned = p50["tree_verify_tuned"]
         batches = sorted({b for b, _ in tuned})

@@ -10,28 +10,21 @@ BENCHMARKS.md or the tuning database.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 from dataclasses import dataclass
 
 import torch
 
 from bole_tune.config import KernelConfig
-from bole_tune.profiles import GDNShape
+from bole_tune.kernels import PLANNER, Launch, serial_verify, tree_commit, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.verify.self_check import accepted_error
+from bole_tune.shapes import HeadShape, dtype_name
 from bole_tune.timing import Timing, l2_cache_bytes, rotation_count, time_eager_host, time_launches
 from bole_tune.workloads import make_inputs, make_tree, relative_error
 
-COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (../shared/DESIGN.md §6)
-TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def accepted_error(dtype: torch.dtype) -> float:
-    """The relative error a config may show on the reference instance to be timed and recorded: half
-    the contract's bound. Right configs land near 2e-3 with 16-bit inputs, while a Triton miscompile
-    seen on the H200 came out at 1.3e-2 on one instance and under 1e-2 on another; the tuner must not
-    record a config on a lucky instance."""
-    return TOLERANCE[dtype] / 2
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (BENCHMARKS.md, "How figures are measured")
 CHECK_BATCH = 2  # requests in the reference instance: the kernels do not depend on the batch size
 
 
@@ -41,7 +34,7 @@ class WrongResult(AssertionError):
 
 @dataclass(frozen=True)
 class BenchCase:
-    shape: GDNShape
+    shape: HeadShape
     batch: int
     tree_size: int
     dtype: torch.dtype = torch.bfloat16
@@ -53,7 +46,7 @@ class BenchCase:
         return self.batch * self.tree_size
 
     def floor_bytes(self) -> int:
-        """Read S_pre, q, k, v and the gates once; write o once (../shared/DESIGN.md §6)."""
+        """Read S_pre, q, k, v and the gates once; write o once: the verifier's byte floor."""
         s = self.shape
         element = torch.empty((), dtype=self.dtype).element_size()
         n = self.num_nodes
@@ -90,84 +83,44 @@ class CaseBench:
         self._reference = None
         self._sets = {}
 
-    def launch_kwargs(self, verify, config: KernelConfig | None, variant: str | None = None) -> dict:
-        """Keyword arguments that make ``verify`` run this case's kernel and config.
-
-        For `tree_verify` the config (``None``: the database's for this case), the kernel variant and
-        the resident kernel's value split are resolved for the full case and passed explicitly, so the
-        reference check, which runs on a smaller batch, checks exactly the kernel and launch that are timed.
-        """
-        from bole_tune.kernels import tree_verify
-
-        if verify is not tree_verify:
-            return {"config": config} if config is not None else {}
-        config, variant = self.launch(config, variant)
-        return {"config": config, "variant": variant, "v_split": self.value_split(config)}
-
-    def value_split(self, config: KernelConfig) -> int:
-        """The resident kernel's programs per head for this case: it follows the batch, so it is pinned
-        to the full case's, as are the kernel and config."""
-        from bole_tune.database import batch_bucket
-        from bole_tune.kernels.tree_verify_resident import resident_split
-
+    def launch(self, config: KernelConfig | None = None, variant: str | None = None,
+               tuned_on: str | None = None) -> Launch:
+        """The launch `tree_verify` runs for this case: the planner's, for the full batch (``config=None``:
+        the database's; ``tuned_on``: the kernel a given config was tuned on). A resident launch whose
+        self-check fails comes back on the fused kernel with ``fallback`` set, as `tree_verify` would run it.
+        The reference check, on a smaller batch, runs this same launch: what is checked is what is timed."""
         c = self.case
-        return resident_split(batch_bucket(c.batch), c.shape.hv, c.shape.dv, config.b_v)
+        tree = self.sets(64)[0]
+        return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
+                            depth=max(tree.depth, self.reference()[0].depth), device=self.device, config=config,
+                            variant=variant, tuned_on=tuned_on)
 
-    def launch(self, config: KernelConfig | None = None, variant: str | None = None) -> tuple[KernelConfig, str]:
-        """(config, kernel variant) `tree_verify` runs for this case; ``None``: as tree_verify decides."""
-        from bole_tune.kernels.common import VerifyShape
-        from bole_tune.kernels.tree_verify import resolve_launch
-
-        c = self.case
-        tree, pool, _, _ = self.sets(64)
-        shape = VerifyShape(tree.num_nodes, c.batch, pool.shape[0], c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv,
-                            c.shape.dk ** -0.5)
-        return resolve_launch(shape, c.dtype, tree, self.device, config, variant)
-
-    def resident_check(self, config: KernelConfig | None = None) -> tuple[float, float] | None:
-        """(error, allowed) of the resident kernel's runtime self-check for this case's launch with
-        ``config``, or None when the case runs on the fused kernel (or on the CPU, where no binary exists).
-
-        `tree_verify` runs a config that fails this check on the fused kernel instead; the tuner uses it
-        so that a config recorded for the resident kernel really runs there.
-        """
-        from bole_tune.config import node_block
-        from bole_tune.kernels.common import VerifyShape
-        from bole_tune.kernels.tree_verify import check_resident
-
-        config, variant = self.launch(config)
-        if variant != "resident" or self.device.type != "cuda":
-            return None
-        c = self.case
-        shape = VerifyShape(0, c.batch, 1, c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, c.shape.dk ** -0.5)
-        return check_resident(config, node_block(c.tree_size), shape, c.dtype, torch.float32, True, self.device,
-                              self.value_split(config))
+    def _kwargs(self, verify, launch: Launch | None) -> dict:
+        return {"launch": launch or self.launch()} if verify is tree_verify else {}
 
     # correctness ------------------------------------------------------------------------------
     def reference(self):
         if self._reference is None:
-            from bole_tune.kernels.reference import verify_reference
-
-            c = self.case
+            c, s = self.case, self.case.shape
             tree = make_tree([c.tree_size] * min(c.batch, CHECK_BATCH), max_depth=c.max_depth,
                              seed=self.seed + 1, device=self.device)
-            x = make_inputs(tree, c.shape.hk, c.shape.hv, c.shape.dk, c.shape.dv, c.dtype, self.device,
-                            seed=self.seed + 1)
+            x = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, seed=self.seed + 1)
             self._reference = (tree, x, verify_reference(*x.args(tree), keep_states=False))
         return self._reference
 
-    def error(self, verify, config: KernelConfig | None = None, variant: str | None = None) -> float:
-        """Relative error of ``verify`` (with ``config``, if it takes one) on the reference instance."""
+    def error(self, verify, launch: Launch | None = None) -> float:
+        """Relative error of ``verify`` on the reference instance (`tree_verify` with ``launch``, default
+        `launch()`)."""
         tree, x, ref = self.reference()
-        res = verify(*x.args(tree), validate=False, **self.launch_kwargs(verify, config, variant))
+        res = verify(*x.args(tree), validate=False, **self._kwargs(verify, launch))
         return relative_error(res.o, ref.o)
 
-    def check(self, verify, config: KernelConfig | None = None, variant: str | None = None) -> float:
+    def check(self, verify, launch: Launch | None = None) -> float:
         """Relative error on the reference instance; `WrongResult` above `accepted_error`."""
-        error = self.error(verify, config, variant)
+        error = self.error(verify, launch)
         bound = accepted_error(self.case.dtype)
         if not error <= bound:
-            raise WrongResult(f"{getattr(verify, '__name__', verify)} with {config} is wrong on {self.case}: "
+            raise WrongResult(f"{getattr(verify, '__name__', verify)} with {launch} is wrong on {self.case}: "
                               f"relative error {error:.2e} > {bound:.0e}")
         return error
 
@@ -188,10 +141,10 @@ class CaseBench:
             self._sets = {num_sets: (tree, pool, inputs, slots)}
         return self._sets[num_sets]
 
-    def time_verify(self, verify, config: KernelConfig | None = None, repeats: int = 50,
-                    most_sets: int = 64, eager: bool = False, variant: str | None = None) -> tuple[Timing, float | None]:
+    def time_verify(self, verify, launch: Launch | None = None, repeats: int = 50, most_sets: int = 64,
+                    eager: bool = False) -> tuple[Timing, float | None]:
         tree, pool, inputs, slots = self.sets(most_sets)
-        kwargs = self.launch_kwargs(verify, config, variant)
+        kwargs = self._kwargs(verify, launch)
 
         def launch(i):
             x = inputs[i]
@@ -203,8 +156,6 @@ class CaseBench:
 
     def time_commit(self, repeats: int = 50) -> Timing:
         """tree_commit of each request's deepest node, after a verification of each set."""
-        from bole_tune.kernels import tree_commit, tree_verify
-
         tree, pool, inputs, slots = self.sets(64)
         results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
                    for i, x in enumerate(inputs)]
@@ -221,25 +172,21 @@ class CaseBench:
 def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig | None = None,
                  repeats: int = 50, bench: CaseBench | None = None, eager: bool = False) -> dict:
     """Check, then time, one verifier ("bole": tree_verify, "serial": serial_verify) on one case."""
-    from bole_tune.kernels import serial_verify, tree_verify
-
     bench = bench or CaseBench(case, device)
     verify = {"bole": tree_verify, "serial": serial_verify}[impl]
-    error = bench.check(verify, config if impl == "bole" else None)
+    launch = bench.launch(config) if impl == "bole" else None
+    error = bench.check(verify, launch)
     # the serial verifier's snapshots dominate its traffic: two sets suffice and bound its memory
-    timing, host = bench.time_verify(verify, config if impl == "bole" else None, repeats,
-                                     most_sets=2 if impl == "serial" else 64, eager=eager)
+    timing, host = bench.time_verify(verify, launch, repeats, most_sets=2 if impl == "serial" else 64, eager=eager)
     row = _row("tree_verify" if impl == "bole" else "serial_verify", case, timing, device)
     row["rel_error"] = error
     if impl == "bole":
-        launched, variant = bench.launch(config)
-        row["config"], row["variant"] = launched.as_dict(), variant
+        row["config"], row["variant"] = launch.config.as_dict(), launch.variant
+        row["launch"] = {"node_block": launch.node_block, "v_split": launch.v_split,
+                         "state_split": launch.state_split, "sweep_f16": launch.sweep_f16}
     if host is not None:
         row["eager_host_us"] = round(host, 2)
     return row
-
-
-
 
 
 def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseBench | None = None) -> dict:
@@ -256,9 +203,56 @@ def _row(kernel: str, case: BenchCase, timing: Timing, device) -> dict:
     s = case.shape
     return {
         "kernel": kernel, "label": case.label, "hk": s.hk, "hv": s.hv, "dk": s.dk, "dv": s.dv,
-        "dtype": DTYPE_NAMES[case.dtype], "batch": case.batch, "tree_size": case.tree_size,
+        "dtype": dtype_name(case.dtype), "batch": case.batch, "tree_size": case.tree_size,
         "max_depth": case.max_depth, "p20_us": round(timing.p20_us, 2), "p50_us": round(timing.p50_us, 2),
         "p80_us": round(timing.p80_us, 2), "floor_us": round(floor_us, 2),
         "floor_fraction": round(floor_us / timing.p50_us, 3), "method": timing.method,
         "device": str(device),
     }
+
+
+@dataclass
+class BenchRun:
+    """What `run_cases` timed: the rows, the environment and, off a GPU, what the CPU numbers mean."""
+
+    environment: dict
+    rows: list
+    on_gpu: bool
+    cpu_note: str = ""
+
+
+def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.bfloat16, max_depth: int = 8,
+              repeats: int = 50, serial: bool = True, commit: bool = True, progress=None) -> BenchRun:
+    """`bench_verify` (and the serial baseline, and `bench_commit`) for every model profile, batch and tree size.
+
+    On a GPU the defaults are B in 1, 4, 16 and T in 16..256; without one, small CPU cases (one key head
+    group of 32-wide heads, B=1, T=16) that check the code runs. ``progress(rows)`` after each case.
+    """
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    run = BenchRun(environment(), [], on_gpu)
+    if on_gpu:
+        batches, tree_sizes = batches or [1, 4, 16], tree_sizes or [16, 32, 64, 128, 256]
+    else:
+        batches, tree_sizes = batches or [1], tree_sizes or [16]
+        mode = ("the Triton kernels under TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1"
+                else "the PyTorch closed-form fallback")
+        run.cpu_note = (f"No CUDA GPU here: timing {mode} on the CPU, with the wall clock. These numbers check that "
+                        "the code runs; they say nothing about GPU speed.")
+    for model in models:
+        heads = model.heads()
+        if not on_gpu:  # keep the CPU run to seconds: one key head group, small heads
+            heads = HeadShape(hk=1, hv=heads.group, dk=32, dv=32)
+        for batch in batches:
+            for size in tree_sizes:
+                case = BenchCase(heads, batch, size, dtype, max_depth, label=model.name)
+                bench = CaseBench(case, device)
+                rows = [bench_verify("bole", case, device, repeats=repeats, bench=bench, eager=on_gpu)]
+                if serial:
+                    rows.append(bench_verify("serial", case, device, repeats=repeats, bench=bench))
+                if commit:
+                    rows.append(bench_commit(case, device, repeats=repeats, bench=bench))
+                run.rows.extend(rows)
+                if progress:
+                    progress(rows)
+    return run

@@ -16,12 +16,17 @@ head), read off the same measured curves.
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-from bole_tune.acceptance import AcceptanceModel
+from bole_tune import database
+from bole_tune.acceptance import AcceptanceModel, load_acceptance
+from bole_tune.atomic import write_text_atomic
+from bole_tune.fingerprint import fingerprint
+from bole_tune.profiles import ModelProfile, resolve_model
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,67 @@ def engine_settings(budgets: dict) -> dict:
             "vllm": {"num_speculative_tokens_per_batch_size": vllm}}
 
 
+def export_engine_settings(entry: dict, model_name: str, folder) -> list[Path]:
+    """Write `engine_settings` of a budget entry as ``sglang-<model>.json`` and ``vllm-<model>.json``."""
+    settings = engine_settings(entry)
+    folder, stem = Path(folder), model_name.lower()
+    files = []
+    for engine in ("sglang", "vllm"):
+        path = folder / f"{engine}-{stem}.json"
+        write_text_atomic(path, json.dumps(settings[engine], indent=1) + "\n")
+        files.append(path)
+    return files
+
+
+@dataclass
+class BudgetResult:
+    """What `store_budgets` chose and where it wrote it."""
+
+    slug: str
+    path: Path  # the database file written
+    acceptance: AcceptanceModel
+    budgets: dict  # budget name -> database entry
+    exported: list[Path]
+
+
+def store_budgets(acceptance="qwen3-next-mtp-gsm8k", models=None, slug: str | None = None, db_dir=None,
+                  export=None) -> BudgetResult:
+    """Choose the tree-token budget per batch size for each model from its stored step curve, store the
+    budgets in the database and, with ``export`` (a folder), write SGLang and vLLM settings files.
+
+    acceptance: an `AcceptanceModel`, or its name or YAML file. models: names or profiles (default: every
+    model with a step curve). slug: the GPU (default: this machine's). The step curves are read as
+    `bole_tune.database.search` reads them; the budgets go to ``<db_dir>/<slug>.yaml``. Nothing is
+    written if a model has no step curve (`LookupError`) or the database is unreadable (`DatabaseError`).
+    """
+    if not isinstance(acceptance, AcceptanceModel):
+        acceptance = load_acceptance(acceptance)
+    slug = slug or fingerprint().slug
+    found = database.search(slug, db_dir)
+    if not found.files:
+        raise LookupError(f"no tuning database for {slug}: {found.where} (run bole-tune step first)")
+    curves = found.entries("step_curves")
+    names = ([(m if isinstance(m, ModelProfile) else resolve_model(m)).name for m in models] if models
+             else [c["model"] for c in curves.values()])
+    budgets = {}
+    for name in names:
+        curve = curves.get(f"{name}/bf16")
+        if curve is None:
+            raise LookupError(f"no step curve for {name} in {found.where} (run bole-tune step --model ... first)")
+        entry = build_budgets(acceptance, StepCurve(curve["points"]))
+        entry["step_curve"] = f"{name}/bf16"
+        entry["provenance"] = {"date": database.now(), "step_curve_date": curve["provenance"].get("date", ""),
+                               "acceptance_source": acceptance.source, "method": "best-first trees and chains; "
+                               "tokens/s = B * E[accepted + 1] / (step + draft)"}
+        budgets[budget_name(name)] = entry
+    path = database.database_path(slug, db_dir)
+    database.update(path, budgets=budgets)
+    exported = []
+    for name in names if export else ():
+        exported += export_engine_settings(budgets[budget_name(name)], name, export)
+    return BudgetResult(slug, path, acceptance, budgets, exported)
+
+
 def best_chain_length(model: AcceptanceModel, curve: StepCurve, batch: int) -> int:
     chains = [c for c in candidates(model, curve, batch) if c.chain or c.nodes_per_request == 1]
     return len(max(chains, key=lambda c: c.tokens_per_second).tree.parents)
@@ -249,24 +315,16 @@ def get_budget(batch_size: int, model: str, device=None, dtype: str = "bf16", tp
     return entry
 
 
-@functools.lru_cache(maxsize=None)
 def _budgets_for(slug: str, name: str) -> dict:
-    from bole_tune import database
-
-    for directory in database.search_directories():
-        path = database.database_path(slug, directory)
-        if path.exists():
-            data = database.load(path).get("budgets", {})
-            if name in data:
-                return data[name]
-    raise LookupError(f"no budget for {name} on {slug} in {', '.join(map(str, database.search_directories()))} "
-                      "(run bole-tune step and bole-tune budget)")
+    """The budget entry ``name`` of ``slug`` as `bole_tune.database.search` reads the database."""
+    found = database.search(slug)
+    budgets = found.entries("budgets")
+    if name not in budgets:
+        raise LookupError(f"no budget for {name} on {slug} in {found.where} (run bole-tune step and bole-tune budget)")
+    return budgets[name]
 
 
 def _lookup_budget(batch_size, model, device, dtype, tp) -> dict:
-    from bole_tune.fingerprint import fingerprint
-    from bole_tune.profiles import resolve_model
-
     if batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
     profile = resolve_model(model)
@@ -283,5 +341,6 @@ def budget_name(model_name: str, dtype: str = "bf16", tp: int = 1) -> str:
 
 
 def clear_cache() -> None:
+    """Forget cached budgets and parsed database files."""
     _cache.clear()
-    _budgets_for.cache_clear()
+    database.clear_cache()

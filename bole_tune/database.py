@@ -1,4 +1,4 @@
-"""The tuning database: one YAML file per GPU model, ``<db dir>/<gpu-slug>.yaml``.
+"""The tuning database: one YAML file per GPU model, ``<folder>/<gpu-slug>.yaml``, and its one access layer.
 
 Layout (schema version 1)::
 
@@ -7,7 +7,8 @@ Layout (schema version 1)::
     configs:                                               # best tile config per shape bucket
       Hv32-Hk16-dk128-dv128-bf16-T64-B16:
         key: {hv, hk, dk, dv, dtype, tree_bucket, batch_bucket, tp}
-        config: {b_k, b_v, num_warps, num_stages}
+        config: {b_k, b_v, num_warps, num_stages}          # the knobs of KernelConfig
+        kernel: fused                                      # the tree_verify variant it was tuned on
         latency_us: {p20, p50, p80}
         default_config: {...}
         default_latency_us: {p20, p50, p80}
@@ -16,12 +17,28 @@ Layout (schema version 1)::
         provenance: {device, driver, cuda, torch, triton, bole_tune, python, date, timing_method}
     curves:                                                # latency against tree size and batch
       Qwen3.5-9B/tree_verify_tuned/bf16: {model, kernel, dtype, shape, points: [...], provenance}
-    budgets: {...}                                         # tree-token budgets (see bole_tune.budget)
-    step_curves: {...}                                     # whole verification step latency
+    budgets:                                               # tree-token budgets (see bole_tune.budget)
+      Qwen3.5-9B/bf16: {acceptance, fixed_budget_nodes_per_request, step_curve, batches: {B: {...}}, provenance}
+    step_curves:                                           # whole verification step latency
+      Qwen3.5-9B/bf16: {model, dtype, context, layers, points: [{batch, tree_size, step_us, ...}], provenance}
 
-Every write takes a file lock, re-reads the file, merges (entries with the same key are replaced,
-all others kept) and replaces the file atomically, so concurrent writers lose nothing and a reader
-never sees half a file. Every load validates; errors name the file and the field.
+**Where the database is read from** (`search_directories`, one rule for the runtime lookup, `get_budget`
+and every command): the folder given (``--db-dir``) or ``$BOLE_TUNE_DB`` alone, if set; else the user's
+folder (``$XDG_DATA_HOME/bole-tune/tuning_db``), then the database shipped with bole-tune. `search`
+merges the entries of every ``<slug>.yaml`` found, by name within each section: an entry in an earlier
+folder wins over one of the same name in a later folder, all others are kept, and each entry remembers
+the file it came from. Writes go to one file, in `default_directory` (or the folder given).
+
+**Corrupt files**: every read validates the whole file; a file that is unreadable, not YAML, of an
+unknown schema or with a bad field raises `DatabaseError` naming the file and the field. The runtime's
+config lookup in its ``nearest`` mode warns once and uses the safe default instead (``strict`` raises);
+`get_budget` and the command line report the error. A write never replaces a corrupt file: it keeps a
+copy (``<file>.corrupt-<time>``) and refuses, unless asked to replace it (``--replace-corrupt``).
+
+**Concurrency**: every write takes a file lock, re-reads the file, merges (entries with the same name
+are replaced, all others kept) and replaces the file atomically, so concurrent writers lose nothing and a
+reader never sees half a file. Each file is parsed once per version (cached by path, modification time,
+size and inode; `clear_cache` forgets).
 """
 
 from __future__ import annotations
@@ -29,20 +46,19 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from filelock import FileLock
 
 from bole_tune.atomic import write_text_atomic
+from bole_tune.config import KernelConfig
+from bole_tune.shapes import BATCH_BUCKETS, DTYPES, TREE_BUCKETS, HeadShape, batch_bucket, dtype_name, tree_bucket
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-TREE_BUCKETS = (8, 16, 32, 64, 128, 256)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 SECTIONS = ("configs", "curves", "budgets", "step_curves")
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning_db"
 if not SHIPPED_DIR.is_dir():  # installed layout: tuning_db/ is the package bole_tune.tuning_db
     SHIPPED_DIR = Path(__file__).resolve().parent / "tuning_db"
@@ -52,73 +68,69 @@ class DatabaseError(ValueError):
     """A tuning database file is unreadable, corrupt, of an unknown schema or has a bad field."""
 
 
-def bucket(value: int, buckets) -> int:
-    """The smallest bucket that holds ``value`` (the largest bucket for anything bigger)."""
-    for b in buckets:
-        if value <= b:
-            return b
-    return buckets[-1]
+def _positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise DatabaseError(f"{where}: expected a positive int, got {value!r}")
+    return value
 
 
-def tree_bucket(tree_size: int) -> int:
-    return bucket(tree_size, TREE_BUCKETS)
-
-
-def batch_bucket(batch: int) -> int:
-    return bucket(batch, BATCH_BUCKETS)
-
-
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, kw_only=True, order=True)
 class ShapeKey:
-    """What a tuned config is keyed by (per tensor-parallel rank: hv and hk are that rank's heads)."""
+    """What a tuned config is keyed by: one rank's heads (``tp``: the tensor-parallel degree they were
+    tuned under), the dtype name and the tree and batch buckets."""
 
-    hv: int
-    hk: int
-    dk: int
-    dv: int
+    heads: HeadShape
     dtype: str
     tree_bucket: int
     batch_bucket: int
     tp: int = 1
 
+    def __post_init__(self):
+        if not isinstance(self.heads, HeadShape):
+            raise ValueError(f"ShapeKey.heads: expected a HeadShape, got {self.heads!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ShapeKey.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tree_bucket not in TREE_BUCKETS:
+            raise ValueError(f"ShapeKey.tree_bucket: expected one of {TREE_BUCKETS}, got {self.tree_bucket!r}")
+        if self.batch_bucket not in BATCH_BUCKETS:
+            raise ValueError(f"ShapeKey.batch_bucket: expected one of {BATCH_BUCKETS}, got {self.batch_bucket!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp <= 0:
+            raise ValueError(f"ShapeKey.tp: expected a positive int, got {self.tp!r}")
+
+    @classmethod
+    def bucketed(cls, heads: HeadShape, dtype, tree_size: int, batch: int, tp: int = 1) -> "ShapeKey":
+        """The key of a launch: ``dtype`` a name or a torch dtype, sizes put in their buckets."""
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        return cls(heads=heads, dtype=name, tree_bucket=tree_bucket(tree_size), batch_bucket=batch_bucket(batch), tp=tp)
+
     @property
     def text(self) -> str:
+        h = self.heads
         tp = f"-TP{self.tp}" if self.tp != 1 else ""
-        return (f"Hv{self.hv}-Hk{self.hk}-dk{self.dk}-dv{self.dv}-{self.dtype}"
-                f"-T{self.tree_bucket}-B{self.batch_bucket}{tp}")
-
-    @property
-    def head_key(self) -> tuple:
-        return (self.hv, self.hk, self.dk, self.dv, self.dtype, self.tp)
+        return f"Hv{h.hv}-Hk{h.hk}-dk{h.dk}-dv{h.dv}-{self.dtype}-T{self.tree_bucket}-B{self.batch_bucket}{tp}"
 
     def as_dict(self) -> dict:
-        return {"hv": self.hv, "hk": self.hk, "dk": self.dk, "dv": self.dv, "dtype": self.dtype,
+        h = self.heads
+        return {"hv": h.hv, "hk": h.hk, "dk": h.dk, "dv": h.dv, "dtype": self.dtype,
                 "tree_bucket": self.tree_bucket, "batch_bucket": self.batch_bucket, "tp": self.tp}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "key") -> "ShapeKey":
         if not isinstance(data, dict):
             raise DatabaseError(f"{where}: expected a mapping, got {data!r}")
-        values = {}
-        for name in ("hv", "hk", "dk", "dv", "tree_bucket", "batch_bucket"):
-            value = data.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise DatabaseError(f"{where}.{name}: expected a positive int, got {value!r}")
-            values[name] = value
-        tp = data.get("tp", 1)
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
-            raise DatabaseError(f"{where}.tp: expected a positive int, got {tp!r}")
-        if data.get("dtype") not in DTYPE_NAMES:
-            raise DatabaseError(f"{where}.dtype: expected one of {DTYPE_NAMES}, got {data.get('dtype')!r}")
-        if values["tree_bucket"] not in TREE_BUCKETS:
-            raise DatabaseError(f"{where}.tree_bucket: expected one of {TREE_BUCKETS}, got {values['tree_bucket']}")
-        if values["batch_bucket"] not in BATCH_BUCKETS:
-            raise DatabaseError(f"{where}.batch_bucket: expected one of {BATCH_BUCKETS}, got {values['batch_bucket']}")
-        return cls(dtype=data["dtype"], tp=tp, **values)
+        values = {name: _positive_int(data.get(name), f"{where}.{name}")
+                  for name in ("hv", "hk", "dk", "dv", "tree_bucket", "batch_bucket")}
+        values["tp"] = _positive_int(data.get("tp", 1), f"{where}.tp")
+        try:
+            heads = HeadShape(hk=values.pop("hk"), hv=values.pop("hv"), dk=values.pop("dk"), dv=values.pop("dv"))
+            return cls(heads=heads, dtype=data.get("dtype"), **values)
+        except ValueError as error:
+            field_error = str(error).split(".", 1)[1]  # "ShapeKey.dtype: ..." -> "dtype: ..."
+            raise DatabaseError(f"{where}.{field_error}") from None
 
 
 def default_directory() -> Path:
-    """Where `bole-tune profile` writes: ``$BOLE_TUNE_DB``, else the user's data folder."""
+    """Where commands write: ``$BOLE_TUNE_DB``, else the user's data folder."""
     env = os.environ.get("BOLE_TUNE_DB")
     if env:
         return Path(env)
@@ -126,16 +138,18 @@ def default_directory() -> Path:
     return Path(base) / "bole-tune" / "tuning_db"
 
 
-def search_directories() -> list[Path]:
-    """Where the runtime looks, in order: ``$BOLE_TUNE_DB`` alone if set, else the user's folder
-    and then the database shipped with bole-tune."""
-    env = os.environ.get("BOLE_TUNE_DB")
-    if env:
-        return [Path(env)]
+def search_directories(directory=None) -> list[Path]:
+    """The folders read, in order (earlier ones win): ``directory`` alone if given, else ``$BOLE_TUNE_DB``
+    alone if set, else the user's folder and then the database shipped with bole-tune."""
+    if directory:
+        return [Path(directory)]
+    if os.environ.get("BOLE_TUNE_DB"):
+        return [default_directory()]
     return [default_directory(), SHIPPED_DIR]
 
 
 def database_path(slug: str, directory=None) -> Path:
+    """The file commands write for ``slug``: in ``directory``, else in `default_directory`."""
     return Path(directory or default_directory()) / f"{slug}.yaml"
 
 
@@ -156,9 +170,24 @@ def _mapping(value, where: str) -> dict:
 
 
 def _number(value, where: str, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
-        raise DatabaseError(f"{where}: expected a {'positive ' if positive else ''}number, got {value!r}")
+    """A number; ``positive``: > 0, else >= 0."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+            or (positive and not value > 0) or (not positive and not value >= 0)):
+        raise DatabaseError(f"{where}: expected a {'positive' if positive else 'non-negative'} number, got {value!r}")
     return float(value)
+
+
+def _count(value, where: str, positive: bool = True) -> int:
+    """An int; ``positive``: > 0, else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        raise DatabaseError(f"{where}: expected a {'positive' if positive else 'non-negative'} int, got {value!r}")
+    return value
+
+
+def _string(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise DatabaseError(f"{where}: expected a string, got {value!r}")
+    return value
 
 
 def _latency(value, where: str) -> None:
@@ -167,17 +196,152 @@ def _latency(value, where: str) -> None:
         _number(value.get(q), f"{where}.{q}")
 
 
-def _config(value, where: str):
-    from bole_tune.config import KernelConfig
-
-    value = _mapping(value, where)
-    unknown = set(value) - {"b_k", "b_v", "num_warps", "num_stages"}
-    if unknown:
-        raise DatabaseError(f"{where}.{sorted(unknown)[0]}: unknown field")
+def _config(value, where: str) -> KernelConfig:
     try:
-        return KernelConfig(**value)
+        return KernelConfig.from_dict(_mapping(value, where))
     except (TypeError, ValueError) as error:
-        raise DatabaseError(f"{where}: {error}") from None
+        raise DatabaseError(f"{where}.{error}") from None
+
+
+def _batch_key(value, where: str) -> int:
+    """A batch size used as a mapping key: an int, or the int's text (JSON round trips make keys strings)."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return _count(value, where)
+
+
+def _config_entry(name: str, entry, w: str) -> None:
+    entry = _mapping(entry, w)
+    key = ShapeKey.from_dict(entry.get("key"), f"{w}.key")
+    if key.text != name:
+        raise DatabaseError(f"{w}.key: describes {key.text}, not {name}")
+    _config(entry.get("config"), f"{w}.config")
+    _latency(entry.get("latency_us"), f"{w}.latency_us")
+    if "kernel" in entry:
+        _string(entry["kernel"], f"{w}.kernel")
+    if "default_config" in entry:
+        _config(entry["default_config"], f"{w}.default_config")
+        _latency(entry.get("default_latency_us"), f"{w}.default_latency_us")
+    _mapping(entry.get("provenance"), f"{w}.provenance")
+    _mapping(entry.get("trials", {}), f"{w}.trials")
+
+
+def _curve(curve, w: str) -> None:
+    curve = _mapping(curve, w)
+    for field_name in ("model", "kernel", "dtype"):
+        _string(curve.get(field_name), f"{w}.{field_name}")
+    points = curve.get("points")
+    if not isinstance(points, list) or not points:
+        raise DatabaseError(f"{w}.points: expected a non-empty list")
+    for i, point in enumerate(points):
+        point = _mapping(point, f"{w}.points[{i}]")
+        for field_name in ("batch", "tree_size"):
+            _count(point.get(field_name), f"{w}.points[{i}].{field_name}")
+        _latency(point, f"{w}.points[{i}]")
+    _mapping(curve.get("provenance"), f"{w}.provenance")
+
+
+STEP_POINT_TIMES = ("step_us", "gdn_us", "attention_us", "lm_head_us")
+STEP_POINT_OPTIONAL_TIMES = ("gdn_serial_us", "step_serial_us")
+
+
+def _step_curve(curve, w: str) -> None:
+    """What `bole_tune.budget.StepCurve`, ``budget`` and ``report`` read of a step curve."""
+    curve = _mapping(curve, w)
+    _string(curve.get("model"), f"{w}.model")
+    if curve.get("dtype") not in DTYPES:
+        raise DatabaseError(f"{w}.dtype: expected one of {', '.join(DTYPES)}, got {curve.get('dtype')!r}")
+    if "context" in curve:
+        _count(curve["context"], f"{w}.context")
+    if "layers" in curve:
+        layers = _mapping(curve["layers"], f"{w}.layers")
+        for name in ("gdn", "attention"):
+            _count(layers.get(name), f"{w}.layers.{name}", positive=False)
+    points = curve.get("points")
+    if not isinstance(points, list) or not points:
+        raise DatabaseError(f"{w}.points: expected a non-empty list")
+    seen = set()
+    for i, point in enumerate(points):
+        p = f"{w}.points[{i}]"
+        point = _mapping(point, p)
+        batch, size = _count(point.get("batch"), f"{p}.batch"), _count(point.get("tree_size"), f"{p}.tree_size")
+        if (batch, size) in seen:
+            raise DatabaseError(f"{p}: a second point at batch {batch}, tree size {size}")
+        seen.add((batch, size))
+        if _count(point.get("tokens"), f"{p}.tokens") != batch * size:
+            raise DatabaseError(f"{p}.tokens: expected batch x tree_size = {batch * size}, got {point['tokens']}")
+        for name in STEP_POINT_TIMES:
+            _number(point.get(name), f"{p}.{name}", positive=name == "step_us")
+        for name in STEP_POINT_OPTIONAL_TIMES:
+            if name in point:
+                _number(point[name], f"{p}.{name}")
+        if "attention_variants_us" in point:
+            for name, value in _mapping(point["attention_variants_us"], f"{p}.attention_variants_us").items():
+                _number(value, f"{p}.attention_variants_us.{name}", positive=False)
+    _mapping(curve.get("provenance"), f"{w}.provenance")
+
+
+BUDGET_COUNTS = ("tokens", "nodes_per_request")
+BUDGET_SIZES = ("draft_nodes_per_request", "depth", "width", "chain_length")
+BUDGET_NUMBERS = ("expected_mean_accepted", "step_us", "draft_us")
+BUDGET_POSITIVE_NUMBERS = ("expected_tokens_per_round", "tokens_per_second", "speedup_vs_no_speculation",
+                           "speedup_vs_fixed_budget")
+
+
+def _budget_batch(entry, p: str, batch: int) -> None:
+    entry = _mapping(entry, p)
+    for name in BUDGET_COUNTS:
+        _count(entry.get(name), f"{p}.{name}")
+    for name in BUDGET_SIZES:
+        _count(entry.get(name), f"{p}.{name}", positive=False)
+    for name in BUDGET_NUMBERS:
+        _number(entry.get(name), f"{p}.{name}", positive=False)
+    for name in BUDGET_POSITIVE_NUMBERS:
+        _number(entry.get(name), f"{p}.{name}")
+    if entry["tokens"] != batch * entry["nodes_per_request"]:
+        raise DatabaseError(f"{p}.tokens: expected batch x nodes_per_request = {batch * entry['nodes_per_request']}, "
+                            f"got {entry['tokens']}")
+    if entry.get("shape") not in ("chain", "tree"):
+        raise DatabaseError(f"{p}.shape: expected 'chain' or 'tree', got {entry.get('shape')!r}")
+    drafts = entry["draft_nodes_per_request"]
+    if drafts != entry["nodes_per_request"] - 1:
+        raise DatabaseError(f"{p}.draft_nodes_per_request: expected nodes_per_request - 1, got {drafts}")
+    for name in ("parents", "ranks"):
+        values = entry.get(name)
+        if not isinstance(values, list) or len(values) != drafts:
+            raise DatabaseError(f"{p}.{name}: expected a list of {drafts} ints, got {values!r}")
+    for i, (parent, rank) in enumerate(zip(entry["parents"], entry["ranks"])):
+        if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < i:
+            raise DatabaseError(f"{p}.parents[{i}]: expected -1 or an earlier node, got {parent!r}")
+        _count(rank, f"{p}.ranks[{i}]")
+
+
+def _budget(budget, w: str) -> None:
+    """What `get_budget`, the engine exports and ``report`` read of a budget."""
+    budget = _mapping(budget, w)
+    acceptance = _mapping(budget.get("acceptance"), f"{w}.acceptance")
+    _string(acceptance.get("name"), f"{w}.acceptance.name")
+    for name in ("depth_acceptance", "rank_share"):
+        values = acceptance.get(name)
+        if not isinstance(values, list) or not values:
+            raise DatabaseError(f"{w}.acceptance.{name}: expected a non-empty list of probabilities, got {values!r}")
+        for i, value in enumerate(values):
+            if _number(value, f"{w}.acceptance.{name}[{i}]", positive=False) > 1:
+                raise DatabaseError(f"{w}.acceptance.{name}[{i}]: expected a probability in [0, 1], got {value!r}")
+    _count(budget.get("fixed_budget_nodes_per_request"), f"{w}.fixed_budget_nodes_per_request")
+    if "step_curve" in budget:
+        _string(budget["step_curve"], f"{w}.step_curve")
+    batches = _mapping(budget.get("batches"), f"{w}.batches")
+    if not batches:
+        raise DatabaseError(f"{w}.batches: expected at least one batch size")
+    for key, entry in batches.items():
+        _budget_batch(entry, f"{w}.batches.{key}", _batch_key(key, f"{w}.batches.{key}"))
+    _mapping(budget.get("provenance"), f"{w}.provenance")
+
+
+_SECTION_CHECKS = {"curves": lambda name, entry, w: _curve(entry, w), "configs": _config_entry,
+                   "budgets": lambda name, entry, w: _budget(entry, w),
+                   "step_curves": lambda name, entry, w: _step_curve(entry, w)}
 
 
 def validate(data, path) -> dict:
@@ -193,47 +357,22 @@ def validate(data, path) -> dict:
         raise DatabaseError(f"{where}: {sorted(unknown)[0]}: unknown top-level field")
     _mapping(data.get("device", {}), f"{where}: device")
     for section in SECTIONS:
-        _mapping(data.get(section, {}), f"{where}: {section}")
-    for name, entry in data.get("configs", {}).items():
-        w = f"{where}: configs.{name}"
-        entry = _mapping(entry, w)
-        key = ShapeKey.from_dict(entry.get("key"), f"{w}.key")
-        if key.text != name:
-            raise DatabaseError(f"{w}.key: describes {key.text}, not {name}")
-        _config(entry.get("config"), f"{w}.config")
-        _latency(entry.get("latency_us"), f"{w}.latency_us")
-        if "default_config" in entry:
-            _config(entry["default_config"], f"{w}.default_config")
-            _latency(entry.get("default_latency_us"), f"{w}.default_latency_us")
-        _mapping(entry.get("provenance"), f"{w}.provenance")
-        _mapping(entry.get("trials", {}), f"{w}.trials")
-    for name, curve in data.get("curves", {}).items():
-        w = f"{where}: curves.{name}"
-        curve = _mapping(curve, w)
-        for field_name in ("model", "kernel", "dtype"):
-            if not isinstance(curve.get(field_name), str):
-                raise DatabaseError(f"{w}.{field_name}: expected a string, got {curve.get(field_name)!r}")
-        points = curve.get("points")
-        if not isinstance(points, list) or not points:
-            raise DatabaseError(f"{w}.points: expected a non-empty list")
-        for i, point in enumerate(points):
-            point = _mapping(point, f"{w}.points[{i}]")
-            for field_name in ("batch", "tree_size"):
-                _number(point.get(field_name), f"{w}.points[{i}].{field_name}")
-            _latency(point, f"{w}.points[{i}]")
-        _mapping(curve.get("provenance"), f"{w}.provenance")
-    for section in ("budgets", "step_curves"):
-        for name, entry in data.get(section, {}).items():
-            entry = _mapping(entry, f"{where}: {section}.{name}")
-            _mapping(entry.get("provenance"), f"{where}: {section}.{name}.provenance")
+        for name, entry in _mapping(data.get(section, {}), f"{where}: {section}").items():
+            _SECTION_CHECKS[section](name, entry, f"{where}: {section}.{name}")
     return data
 
 
-# ---- reading and writing ----------------------------------------------------------------------
+# ---- reading ----------------------------------------------------------------------------------
 
-def load(path) -> dict:
-    """Read and validate one database file."""
-    path = Path(path)
+_parsed: dict = {}  # resolved path -> ((mtime_ns, size, inode), data)
+
+
+def clear_cache() -> None:
+    """Forget every parsed file (the next read parses again)."""
+    _parsed.clear()
+
+
+def _parse(path: Path) -> dict:
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -246,8 +385,80 @@ def load(path) -> dict:
         raise DatabaseError(f"{path}: is corrupt (not valid YAML: {str(error).splitlines()[0]})") from None
     if data is None:
         raise DatabaseError(f"{path}: is empty or truncated")
-    return validate(data, path)
+    data = validate(data, path)
+    for section in SECTIONS:
+        data.setdefault(section, {})
+    return data
 
+
+def load(path) -> dict:
+    """Read and validate one database file, parsed once per version of the file (the result is shared:
+    do not modify it). Raises `DatabaseError` naming the file and the field."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise DatabaseError(f"{path}: no such tuning database") from None
+    except OSError as error:
+        raise DatabaseError(f"{path}: cannot be read ({error})") from None
+    version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    cache_key = str(path.resolve())
+    hit = _parsed.get(cache_key)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    data = _parse(path)
+    _parsed[cache_key] = (version, data)
+    return data
+
+
+@dataclass(frozen=True)
+class Found:
+    """The database of one GPU model as read: every ``<slug>.yaml`` in the search folders, merged."""
+
+    slug: str
+    folders: tuple[Path, ...]  # searched, in order
+    files: tuple[Path, ...]  # found, in search order
+    device: dict = field(default_factory=dict)  # of the first file found
+    sections: dict = field(default_factory=dict)  # section -> {name: entry}
+    sources: dict = field(default_factory=dict)  # (section, name) -> the file the entry came from
+
+    @property
+    def where(self) -> str:
+        """The files read, or where none was found (for messages)."""
+        if self.files:
+            return ", ".join(map(str, self.files))
+        return f"no {self.slug}.yaml in {', '.join(map(str, self.folders))}"
+
+    def entries(self, section: str) -> dict:
+        return self.sections.get(section, {})
+
+    def source(self, section: str, name: str) -> Path:
+        return self.sources[(section, name)]
+
+    def as_data(self) -> dict:
+        """The merged entries in the layout of one database file."""
+        return {"schema_version": SCHEMA_VERSION, "device": self.device, **{s: self.entries(s) for s in SECTIONS}}
+
+
+def search(slug: str, directory=None) -> Found:
+    """Every database of ``slug`` in `search_directories` (``directory``: that folder alone), merged by
+    entry name, earlier folders winning. A corrupt file raises `DatabaseError` naming it."""
+    folders = tuple(search_directories(directory))
+    files = tuple(p for p in (database_path(slug, folder) for folder in folders) if p.exists())
+    sections = {s: {} for s in SECTIONS}
+    sources = {}
+    device = {}
+    for path in reversed(files):  # the later folders first, so that earlier ones overwrite them
+        data = load(path)
+        device = data.get("device") or device
+        for section in SECTIONS:
+            for name, entry in data[section].items():
+                sections[section][name] = entry
+                sources[(section, name)] = path
+    return Found(slug, folders, files, device, sections, sources)
+
+
+# ---- writing ----------------------------------------------------------------------------------
 
 def _lock(path: Path) -> FileLock:
     return FileLock(str(path) + ".lock", timeout=300)
@@ -259,6 +470,27 @@ def backup_corrupt(path: Path) -> Path:
     backup = path.with_name(f"{path.name}.corrupt-{stamp}")
     shutil.copy2(path, backup)
     return backup
+
+
+def prepare(path, replace_corrupt: bool = False) -> str | None:
+    """Check ``path`` before a long run that will write it, so a corrupt file is found first, not last.
+
+    A corrupt file is copied aside and `DatabaseError` raised; with ``replace_corrupt`` the file is
+    removed instead (the copy kept) and a note saying so returned for the user. None: nothing to say.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        _parse(path)
+    except DatabaseError as error:
+        backup = backup_corrupt(path)
+        if not replace_corrupt:
+            raise DatabaseError(f"{error}. A copy is kept at {backup}; fix or remove the file, or pass "
+                                "--replace-corrupt to start a new one.") from None
+        path.unlink()
+        return f"{error}; a copy is kept at {backup} and a new database is started."
+    return None
 
 
 def merge_curve(old: dict | None, new: dict) -> dict:
@@ -300,7 +532,7 @@ def update(path, device: dict | None = None, replace_corrupt: bool = False, **se
     with _lock(path):
         if path.exists():
             try:
-                data = load(path)
+                data = _parse(path)  # under the lock, from the disk: never the shared parsed copy
             except DatabaseError as error:
                 backup = backup_corrupt(path)
                 if not replace_corrupt:
@@ -320,12 +552,3 @@ def update(path, device: dict | None = None, replace_corrupt: bool = False, **se
         validate(data, path)
         write_text_atomic(path, yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110))
     return data
-
-
-def find(slug: str) -> tuple[Path, dict] | None:
-    """The first database for ``slug`` in the runtime's search folders, loaded."""
-    for directory in search_directories():
-        path = database_path(slug, directory)
-        if path.exists():
-            return path, load(path)
-    return None

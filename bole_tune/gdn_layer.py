@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import TreeVerifyResult, tree_commit, tree_verify
-from bole_tune.kernels.gdn_gates import gdn_gates
-from bole_tune.kernels.tree_conv import tree_conv, tree_conv_commit
+from bole_tune.kernels import TreeVerifyResult, gdn_gates, tree_commit, tree_conv, tree_conv_commit, tree_verify
+from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
 
@@ -30,21 +29,20 @@ class GDNLayerParams:
     conv_weight: torch.Tensor  # [channels, width]
     a_log: torch.Tensor  # [Hv]
     dt_bias: torch.Tensor  # [Hv]
-    hk: int
-    hv: int
-    dk: int
-    dv: int
+    heads: HeadShape
 
     @classmethod
     def from_transformers(cls, module) -> "GDNLayerParams":
         """From a transformers ``Qwen3_5GatedDeltaNet`` (or Qwen3-Next's) module."""
         return cls(conv_weight=module.conv1d.weight.detach().squeeze(1), a_log=module.A_log.detach(),
-                   dt_bias=module.dt_bias.detach(), hk=module.num_k_heads, hv=module.num_v_heads,
-                   dk=module.head_k_dim, dv=module.head_v_dim)
+                   dt_bias=module.dt_bias.detach(),
+                   heads=HeadShape(hk=module.num_k_heads, hv=module.num_v_heads, dk=module.head_k_dim,
+                                   dv=module.head_v_dim))
 
     @property
     def channels(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
+        h = self.heads
+        return 2 * h.hk * h.dk + h.hv * h.dv
 
 
 @dataclass
@@ -70,12 +68,13 @@ def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, st
         raise ValueError(f"mixed_qkv: expected shape [N, {params.channels}] (2*Hk*dk + Hv*dv), got {shape}")
     n = mixed_qkv.shape[0]
     activated = tree_conv(mixed_qkv, conv_state, params.conv_weight, state_indices, tree, "silu", validate)
-    key_width = params.hk * params.dk
-    q = activated[:, :key_width].view(n, params.hk, params.dk)
-    k = activated[:, key_width: 2 * key_width].view(n, params.hk, params.dk)
-    v = activated[:, 2 * key_width:].view(n, params.hv, params.dv)
+    h = params.heads
+    key_width = h.hk * h.dk
+    q = activated[:, :key_width].view(n, h.hk, h.dk)
+    k = activated[:, key_width: 2 * key_width].view(n, h.hk, h.dk)
+    v = activated[:, 2 * key_width:].view(n, h.hv, h.dv)
     g, beta = gdn_gates(a, b, params.a_log, params.dt_bias, validate)
-    res = tree_verify(q, k, v, g, beta, state, state_indices, tree, scale=params.dk ** -0.5, use_qk_l2norm=True,
+    res = tree_verify(q, k, v, g, beta, state, state_indices, tree, scale=h.dk ** -0.5, use_qk_l2norm=True,
                       config=config, validate=validate)
     return GDNStepResult(o=res.o, verify=res, conv_inputs=mixed_qkv.detach().clone())
 

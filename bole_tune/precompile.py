@@ -1,9 +1,10 @@
 """Compile many tile configs at once, in worker processes, into Triton's on-disk cache.
 
 Tuning on a GPU is dominated by compile time (each config is its own kernel), not by timing. Worker
-processes compile candidates in parallel by running tree_verify once on a one-request instance with
-exactly the launch's specialisation (same kernel variant, head sizes, dtype, node block and value split); the
-tuner's own launches then load the cached binaries. Failures are ignored here: the tuner meets them again and records them.
+processes compile candidates in parallel by running each launch the planner gives a bucket (kernel
+variant, node block, value split, precision switches) once on a one-request instance; the tuner's own
+launches then load the cached binaries. Failures are ignored here: the tuner meets them again and
+records them.
 """
 
 from __future__ import annotations
@@ -13,29 +14,26 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 
+import torch
+
 from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
+from bole_tune.kernels import PLANNER, Launch, tree_verify
+from bole_tune.shapes import HeadShape, torch_dtype
+from bole_tune.workloads import make_inputs, make_tree
+
+MAX_DEPTH = 8  # the depth bound of the trees the tuner times (`bench.BenchCase.max_depth`)
 
 
-def _compile(key_dict: dict, configs: list[tuple], variant: str = "fused") -> int:
-    import torch
-
-    from bole_tune.bench import DTYPES
-    from bole_tune.kernels import tree_verify
-    from bole_tune.kernels.tree_verify_resident import resident_split
-    from bole_tune.workloads import make_inputs, make_tree
-
-    key = ShapeKey.from_dict(key_dict)
-    tree = make_tree([key.tree_bucket], device="cuda")
-    x = make_inputs(tree, key.hk, key.hv, key.dk, key.dv, DTYPES[key.dtype], "cuda")
+def _compile(heads: HeadShape, dtype: str, tree_size: int, launches: list[Launch]) -> int:
+    tree = make_tree([tree_size], max_depth=MAX_DEPTH, device="cuda")
+    x = make_inputs(tree, heads.hk, heads.hv, heads.dk, heads.dv, torch_dtype(dtype), "cuda")
     done = 0
-    for values in configs:
-        config = KernelConfig(*values)
-        try:  # the value split of the key's batch, not of this one-request instance
+    for launch in launches:
+        try:
             with warnings.catch_warnings():  # a config failing the resident self-check: the tuner reports it
                 warnings.simplefilter("ignore", UserWarning)
-                tree_verify(*x.args(tree), config=config, validate=False, variant=variant,
-                            v_split=resident_split(key.batch_bucket, key.hv, key.dv, config.b_v))
+                tree_verify(*x.args(tree), validate=False, launch=launch)
             torch.cuda.synchronize()
             done += 1
         except Exception:  # recorded by the tuner when it meets the config
@@ -45,26 +43,27 @@ def _compile(key_dict: dict, configs: list[tuple], variant: str = "fused") -> in
 
 def precompile(keys: list[ShapeKey], configs: list[KernelConfig], workers: int | None = None,
                progress=None) -> int:
-    """Compile ``configs`` for every distinct specialisation among ``keys``; returns how many compiled."""
-    import torch
-
+    """Compile ``configs`` for every distinct launch among ``keys``; returns how many compiled."""
     if not torch.cuda.is_available() or not configs:
         return 0
-    from bole_tune.config import node_block
-    from bole_tune.kernels.tree_verify import pick_variant
-
-    distinct = {}
-    for key in keys:  # kernels are specialised on head sizes, dtype and node block, not on batch or heads
-        variant = pick_variant(key.batch_bucket, key.hv, key.tree_bucket)
-        # but for the resident kernel's value split, which follows (batch bucket x heads)
-        split_on = key.batch_bucket * key.hv if variant == "resident" else 0
-        distinct.setdefault((variant, key.dk, key.dv, key.dtype, node_block(key.tree_bucket), split_on), (key, variant))
+    # kernels are specialised on head sizes, dtype and the launch, not on batch or head counts
+    distinct: dict[tuple, tuple] = {}
+    for key in keys:
+        for config in configs:
+            if not config.fits(key.heads.dk, key.heads.dv):
+                continue
+            launch = PLANNER.plan(key.heads, torch_dtype(key.dtype), num_requests=key.batch_bucket,
+                                  max_tree_size=key.tree_bucket, depth=MAX_DEPTH, device="cuda", config=config,
+                                  check=False)
+            distinct.setdefault((launch, key.heads.dk, key.heads.dv, key.dtype), (key, launch))
+    groups: dict[tuple, list[Launch]] = {}
+    for key, launch in distinct.values():
+        groups.setdefault((key.heads, key.dtype, key.tree_bucket), []).append(launch)
     workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
     tasks = []
-    for key, variant in distinct.values():
-        values = [(c.b_k, c.b_v, c.num_warps, c.num_stages) for c in configs if c.fits(key.dk, key.dv)]
-        chunk = max(1, -(-len(values) // workers))
-        tasks += [(key.as_dict(), values[i:i + chunk], variant) for i in range(0, len(values), chunk)]
+    for (heads, dtype, tree_size), launches in groups.items():
+        chunk = max(1, -(-len(launches) // workers))
+        tasks += [(heads, dtype, tree_size, launches[i:i + chunk]) for i in range(0, len(launches), chunk)]
     compiled = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(_compile, *task) for task in tasks]

@@ -12,50 +12,102 @@ the PyTorch fallback's curves instead, says so, and still writes a valid databas
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bole_tune import database
-from bole_tune.bench import DTYPES, BenchCase, CaseBench, environment
-from bole_tune.config import KernelConfig, default_config
-from bole_tune.database import ShapeKey, batch_bucket, tree_bucket
-from bole_tune.lookup import decide
-from bole_tune.profiles import ModelProfile
-from bole_tune.runners import Measurement
-from bole_tune.search_space import SearchSpace
-from bole_tune.tuner import TuneResult, warm_starts
+import optuna
+import torch
 
-FULL_BATCHES = (1, 2, 4, 8, 16, 32)
-FULL_TREE_SIZES = (8, 16, 32, 64, 128, 256)
+from bole_tune import database
+from bole_tune.bench import BenchCase, CaseBench, environment
+from bole_tune.config import KernelConfig, default_config
+from bole_tune.database import ShapeKey
+from bole_tune.kernels import PLANNER, serial_verify, tree_verify
+from bole_tune.lookup import decide
+from bole_tune.precompile import precompile
+from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
+from bole_tune.runners import GPURunner, Measurement, RecordingIncomplete, ReplayRunner
+from bole_tune.search_space import SearchSpace, feasible
+from bole_tune.shapes import BATCH_BUCKETS, TREE_BUCKETS, torch_dtype
+from bole_tune.tuner import (FINISHED, TuneResult, default_storage, exhaustive_bucket, load_result, open_storage,
+                             study_name, warm_starts)
+from bole_tune.workers import EXIT_RECORDING_INCOMPLETE, Job, run_workers, visible_devices
+
 QUICK_BATCHES = (1, 4, 16)
 QUICK_TREE_SIZES = (16, 64, 128)
+CPU_CURVE_BATCHES = (1, 2)  # the CPU fallback's curves, when none are asked for: seconds, not hours
+CPU_CURVE_TREE_SIZES = (8, 16)
 
 
 @dataclass
 class ProfilePlan:
+    """What `profile` and `tune` do: the models' heads per rank, the buckets tuned, the curve points.
+
+    curve_batches, curve_tree_sizes: None measures the tuned grid on a GPU and `CPU_CURVE_BATCHES` x
+    `CPU_CURVE_TREE_SIZES` on the CPU fallback.
+    """
+
     models: list[ModelProfile]
     dtype: str = "bf16"
     tp: int = 1
-    tune_batches: tuple = FULL_BATCHES
-    tune_tree_sizes: tuple = FULL_TREE_SIZES
-    curve_batches: tuple = FULL_BATCHES
-    curve_tree_sizes: tuple = FULL_TREE_SIZES
+    tune_batches: tuple = BATCH_BUCKETS
+    tune_tree_sizes: tuple = TREE_BUCKETS
+    curve_batches: tuple | None = None
+    curve_tree_sizes: tuple | None = None
     n_trials: int = 32
     repeats: int = 30
-    curves: bool = True
     serial: bool = True
     seed: int = 0
 
+    def curve_grid(self, on_gpu: bool) -> tuple[tuple, tuple]:
+        """(batches, tree sizes) of the latency curves."""
+        if not on_gpu and self.curve_batches is None and self.curve_tree_sizes is None:
+            return CPU_CURVE_BATCHES, CPU_CURVE_TREE_SIZES
+        return self.curve_batches or self.tune_batches, self.curve_tree_sizes or self.tune_tree_sizes
+
+
+def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False, batches=None, tree_sizes=None,
+              trials: int | None = None, repeats: int = 30, curve_batches=None, curve_tree_sizes=None,
+              serial: bool = True) -> ProfilePlan:
+    """A checked plan from a user's choices (`DEFAULT_MODELS` when ``models`` is None; ``quick``: the small
+    grid and 16 trials). A bad choice raises ValueError (or `ProfileError` for a model) naming it."""
+    profiles = [resolve_model(m) if isinstance(m, str) else m for m in (models or DEFAULT_MODELS)]
+    for model in profiles:
+        model.heads(tp)
+    trials = trials if trials is not None else (16 if quick else 32)
+    if trials < 1:
+        raise ValueError("--trials: must be at least 1")
+    if repeats < 3:
+        raise ValueError("--repeats: must be at least 3")
+    return ProfilePlan(models=profiles, dtype=dtype, tp=tp,
+                       tune_batches=tuple(batches or (QUICK_BATCHES if quick else BATCH_BUCKETS)),
+                       tune_tree_sizes=tuple(tree_sizes or (QUICK_TREE_SIZES if quick else TREE_BUCKETS)),
+                       curve_batches=tuple(curve_batches or batches or ()) or None,
+                       curve_tree_sizes=tuple(curve_tree_sizes or tree_sizes or ()) or None,
+                       n_trials=trials, repeats=repeats, serial=serial)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress report: ``done`` of ``total`` (None: not known yet) in ``stage``, on ``label``."""
+
+    stage: str  # "compiling", "tuning", "exhaustive", "curves"
+    done: int
+    total: int | None
+    label: str = ""
+
 
 @dataclass
-class ProfileReport:
+class ProfileResult:
+    """What `profile` (or `tune`) did: where it wrote, what it tuned and measured, and what to tell the user."""
+
     slug: str
-    path: str
-    measured_on: str
+    device_name: str
+    path: Path
+    on_gpu: bool
     tuned: list[TuneResult] = field(default_factory=list)
     curve_rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -78,11 +130,9 @@ def _latency(m: Measurement) -> dict:
 
 def config_entry(result: TuneResult, fp) -> dict:
     best, m = result.best, result.best_measurement
-    from bole_tune.kernels.tree_verify import pick_variant
-
     k = result.key
     entry = {"key": k.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
-             "kernel": pick_variant(k.batch_bucket, k.hv, k.tree_bucket),
+             "kernel": PLANNER.policy.variant(k.batch_bucket, k.heads.hv, k.tree_bucket),
              "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
     if result.default_measurement and result.default_measurement.status == "ok":
         entry["default_config"] = result.default.as_dict()
@@ -100,9 +150,6 @@ def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path
              workers: int = 1, sampler: str = "tpe", progress: Callable | None = None,
              job_dir: Path | None = None) -> list[TuneResult]:
     """Tune every bucket of the plan with ``workers`` worker processes; write the database once."""
-    from bole_tune.tuner import load_result, open_storage
-    from bole_tune.workers import Job, run_workers
-
     keys = plan_keys(plan)
     existing = _existing_configs(db_path)
     warm = {key.text: [c.as_dict() for c in warm_starts(key, existing)] for key in keys}
@@ -119,6 +166,9 @@ def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path
 
     reports = run_workers(job, workers, job_dir / "job.json", progress=report_progress)
     failed = [r for r in reports if r.exit_code != 0]
+    incomplete = [r for r in failed if r.exit_code == EXIT_RECORDING_INCOMPLETE and Path(r.log).exists()]
+    if incomplete:  # the recording and the search space disagree: resuming cannot help
+        raise RecordingIncomplete(Path(incomplete[0].log).read_text().strip().splitlines()[-1])
     if failed:
         tails = "; ".join(f"worker {r.index} (exit {r.exit_code}, log {r.log}): "
                           f"{Path(r.log).read_text().strip().splitlines()[-1:] if Path(r.log).exists() else ''}"
@@ -134,31 +184,136 @@ def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path
     return results
 
 
+def open_storage_url(url: str | None) -> str:
+    """The Optuna storage URL a run uses (default: the user's SQLite file), checked by opening it."""
+    url = url or default_storage()
+    open_storage(url)
+    return url
+
+
+def precompile_candidates(runner, keys: list[ShapeKey], space: SearchSpace, progress: Callable | None = None) -> int:
+    """Compile every feasible config for ``keys`` in parallel worker processes first (GPU runs only);
+    returns how many kernel variants compiled."""
+    if not isinstance(getattr(runner, "inner", runner), GPURunner) or runner.fingerprint().kind != "gpu":
+        return 0
+    limit = runner.fingerprint().facts.get("max_shared_memory_per_block_bytes")
+    configs = [c for c in space.configs()
+               if any(feasible(c, k.heads.dk, k.heads.dv, k.tree_bucket, k.dtype, limit)[0] for k in keys)]
+    done = [0]
+
+    def compiled(total):
+        done[0] += 1
+        if progress:
+            progress(Progress("compiling", done[0], total, "candidates in parallel"))
+
+    return precompile(keys, configs, progress=compiled)
+
+
+def tune(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage: str | None = None,
+         workers: int | None = None, sampler: str = "tpe", replace_corrupt: bool = False,
+         progress: Callable | None = None) -> ProfileResult:
+    """Tune every bucket of ``plan`` with ``runner`` (a `GPURunner` or a `ReplayRunner`) in worker processes
+    sharing ``storage``, and write the winners to ``db_path`` (a corrupt file there raises `DatabaseError`
+    first, unless ``replace_corrupt``). ``workers``: default one per visible GPU (one for a replay).
+    ``progress`` receives `Progress` reports."""
+    if workers is not None and workers < 1:
+        raise ValueError("--workers: must be at least 1")
+    storage = open_storage_url(storage)
+    fp = runner.fingerprint()
+    result = ProfileResult(fp.slug, fp.name, Path(db_path), on_gpu=fp.kind == "gpu")
+    note = database.prepare(db_path, replace_corrupt)
+    if note:
+        result.notes.append(note)
+    if isinstance(runner, ReplayRunner):
+        spec = {"kind": "replay", "path": str(Path(runner.path).resolve()), "delay": runner.delay}
+        workers = workers or 1
+    else:
+        count = precompile_candidates(runner, plan_keys(plan), space, progress)
+        if count:
+            result.notes.append(f"compiled {count} kernel variants ahead of the search")
+        spec = {"kind": "gpu", "repeats": plan.repeats}
+        workers = workers or max(1, len(visible_devices()))
+    result.notes.append(f"tuned with {workers} worker process{'es' if workers > 1 else ''} on {storage}")
+    result.tuned = tune_all(plan, spec, fp, storage, db_path, space, workers=workers, sampler=sampler,
+                            progress=lambda done, total: progress and progress(Progress("tuning", done, total)))
+    return result
+
+
+def exhaustive(plan: ProfilePlan, runner, space: SearchSpace, progress: Callable | None = None) -> dict:
+    """Measure every config of ``space`` on every bucket of ``plan`` (the tuner's yardstick): key text ->
+    config text -> `Measurement`. Nothing is written to the database."""
+    keys = plan_keys(plan)
+    precompile_candidates(runner, keys, space, progress)
+    total, done, found = len(keys) * len(space.configs()), [0], {}
+
+    def measured(config, m):
+        done[0] += 1
+        if progress:
+            progress(Progress("exhaustive", done[0], total, key.text))
+
+    for key in keys:
+        found[key.text] = exhaustive_bucket(runner, key, space, on_trial=measured)
+    return found
+
+
+def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers: int | None = None,
+            sampler: str = "tpe", replace_corrupt: bool = False, space: SearchSpace | None = None,
+            progress: Callable | None = None) -> ProfileResult:
+    """The main job: tune every bucket of ``plan`` on this machine's GPU and measure the latency curves,
+    written to ``<db_dir>/<gpu>.yaml`` (`bole_tune.database.database_path`).
+
+    Without a CUDA GPU nothing is tuned (tile configs exist only for the Triton kernels on a GPU): the
+    PyTorch fallback's curves are measured on the CPU instead, at `ProfilePlan.curve_grid`, and recorded
+    as such. A corrupt database raises `DatabaseError` before anything runs, unless ``replace_corrupt``.
+    """
+    space = space or SearchSpace.load()
+    runner = GPURunner("cuda" if torch.cuda.is_available() else "cpu", repeats=plan.repeats)
+    fp = runner.fingerprint()
+    db_path = database.database_path(fp.slug, db_dir)
+    if fp.kind == "gpu":
+        result = tune(plan, runner, space, db_path, storage, workers, sampler, replace_corrupt, progress)
+    else:
+        result = ProfileResult(fp.slug, fp.name, db_path, on_gpu=False)
+        note = database.prepare(db_path, replace_corrupt)
+        result.notes += [note] if note else []
+        result.notes.append("No CUDA GPU: tile configs exist only for the Triton kernels on a GPU, so nothing is "
+                            "tuned. Measured the PyTorch closed-form fallback (and its commit) on the CPU with the "
+                            "wall clock instead; the database records these as CPU fallback curves.")
+    batches, sizes = plan.curve_grid(result.on_gpu)
+    total, done = len(plan.models) * len(batches) * len(sizes), [0]
+
+    def measured(model, batch, size, _):
+        done[0] += 1
+        if progress:
+            progress(Progress("curves", done[0], total, f"{model.name} B={batch} T={size}"))
+
+    for model in plan.models:
+        result.curve_rows += measure_curves(model, plan, runner.device, db_path, fp, progress=measured)
+    return result
+
+
 def _existing_configs(db_path) -> dict:
     try:
         data = database.load(db_path)
     except database.DatabaseError:
         return {}
-    return {name: (ShapeKey.from_dict(e["key"]), KernelConfig(**e["config"])) for name, e in data["configs"].items()}
+    return {name: (ShapeKey.from_dict(e["key"]), KernelConfig.from_dict(e["config"]))
+            for name, e in data["configs"].items()}
 
 
 def plan_keys(plan: ProfilePlan) -> list[ShapeKey]:
     keys = []
     for model in plan.models:
-        shape = model.gdn(plan.tp)
+        heads = model.heads(plan.tp)
         for size in plan.tune_tree_sizes:
             for batch in plan.tune_batches:
-                key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size),
-                               batch_bucket(batch), plan.tp)
+                key = ShapeKey.bucketed(heads, plan.dtype, size, batch, plan.tp)
                 if key not in keys:
                     keys.append(key)
     return keys
 
 
 def _finished(storage, slug: str, key: ShapeKey) -> int:
-    import optuna
-
-    from bole_tune.tuner import FINISHED, study_name
     try:
         study = optuna.load_study(study_name=study_name(slug, key), storage=storage)
     except KeyError:
@@ -169,14 +324,9 @@ def _finished(storage, slug: str, key: ShapeKey) -> int:
 def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                    progress: Callable | None = None) -> list[dict]:
     """Latency of every kernel at every (batch, tree size) of the plan, written as curves."""
-    import torch
-
-    from bole_tune.kernels import serial_verify, tree_verify
-
-    shape = model.gdn(plan.tp)
-    dtype = DTYPES[plan.dtype]
+    shape = model.heads(plan.tp)
+    dtype = torch_dtype(plan.dtype)
     on_gpu = torch.device(device).type == "cuda"
-    entries = database.load(db_path)["configs"] if db_path.exists() else {}
     kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit"] if on_gpu \
         else ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback"]
     if not plan.serial and on_gpu:
@@ -184,31 +334,30 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
     points = {k: [] for k in kernels}
     rows = []
     method = ""
-    for batch in plan.curve_batches:
-        for size in plan.curve_tree_sizes:
+    batches, sizes = plan.curve_grid(on_gpu)
+    for batch in batches:
+        for size in sizes:
             case = BenchCase(shape, batch, size, dtype, label=model.name)
             bench = CaseBench(case, device)
-            key = ShapeKey(shape.hv, shape.hk, shape.dk, shape.dv, plan.dtype, tree_bucket(size), batch_bucket(batch),
-                           plan.tp)
+            key = ShapeKey.bucketed(shape, plan.dtype, size, batch, plan.tp)
             measured = {}
-            if on_gpu:
-                decision = decide(key, fp.slug, "nearest", entries=entries)
-                fallback = default_config(shape.dk, shape.dv)
+            if on_gpu:  # the configs of the database being written, just tuned
+                decision = decide(key, fp.slug, "nearest", directory=Path(db_path).parent)
                 # the tuned point runs the kernel its config was tuned on, as tree_verify(config=None) does
-                tuned_on = decision.kernel if decision.kernel == "fused" or size <= 64 else None
-                for name, verify, config, variant in (("tree_verify_tuned", tree_verify, decision.config, tuned_on),
-                                                      ("tree_verify_default", tree_verify, fallback, None),
-                                                      ("serial_verify", serial_verify, None, None)):
+                for name, verify, launch in (
+                        ("tree_verify_tuned", tree_verify, bench.launch(decision.config, tuned_on=decision.kernel)),
+                        ("tree_verify_default", tree_verify, bench.launch(default_config(shape.dk, shape.dv))),
+                        ("serial_verify", serial_verify, None)):
                     if name not in kernels:
                         continue
-                    error = bench.check(verify, config, variant)
-                    timing, _ = bench.time_verify(verify, config, plan.repeats,
-                                                  most_sets=2 if verify is serial_verify else 64, variant=variant)
-                    measured[name] = (timing, error, config)
+                    error = bench.check(verify, launch)
+                    timing, _ = bench.time_verify(verify, launch, plan.repeats,
+                                                  most_sets=2 if verify is serial_verify else 64)
+                    measured[name] = (timing, error, launch and launch.config)
                 measured["tree_commit"] = (bench.time_commit(plan.repeats), None, None)
             else:
                 error = bench.check(tree_verify)
-                timing, _ = bench.time_verify(tree_verify, None, max(3, plan.repeats // 10), most_sets=2)
+                timing, _ = bench.time_verify(tree_verify, repeats=max(3, plan.repeats // 10), most_sets=2)
                 measured["tree_verify_cpu_fallback"] = (timing, error, None)
                 measured["tree_commit_cpu_fallback"] = (bench.time_commit(3), None, None)
             for name, (timing, error, config) in measured.items():
@@ -233,8 +382,3 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
         }
     database.update(db_path, device=fp.as_dict(), curves=curves)
     return rows
-
-
-def geometric_mean(values) -> float:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

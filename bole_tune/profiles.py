@@ -11,27 +11,21 @@ from pathlib import Path
 
 import yaml
 
+from bole_tune.shapes import HeadShape
+
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
-if not PROFILES_DIR.is_dir():  # installed layout: profiles/ is the package bole_tune.profiles
-    PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+if not PROFILES_DIR.is_dir():  # installed layout: profiles/ is the data package bole_tune.profile_data
+    PROFILES_DIR = Path(__file__).resolve().parent / "profile_data"
+
+
+DEFAULT_MODELS = ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b", "qwen3-next-80b-a3b")
+"""The models `profile`, `tune`, `step` and `budget` work on when none is named: every shipped profile.
+
+`bench` alone defaults to ``qwen3.5-9b``: it is a quick check of one layer, not a database to fill."""
 
 
 class ProfileError(ValueError):
     """A profile file is missing, malformed or has a bad field."""
-
-
-@dataclass(frozen=True)
-class GDNShape:
-    """The recurrent core of one GDN layer (per tensor-parallel rank)."""
-
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-
-    @property
-    def label(self) -> str:
-        return f"Hk{self.hk}-Hv{self.hv}-dk{self.dk}-dv{self.dv}"
 
 
 @dataclass(frozen=True)
@@ -60,7 +54,8 @@ class ModelProfile:
     layers_per_attention: int
     vocab_size: int
     attention: AttentionShape
-    gdn_heads: tuple[int, int, int, int, int]  # hk, hv, dk, dv, conv_width
+    gdn: HeadShape  # the whole model's GDN heads (before any tensor-parallel split)
+    conv_width: int  # the GDN layer's short causal convolution
     ffn: FFNShape
 
     @property
@@ -71,12 +66,12 @@ class ModelProfile:
     def num_gdn_layers(self) -> int:
         return self.num_layers - self.num_attention_layers
 
-    def gdn(self, tp: int = 1) -> GDNShape:
-        """The GDN core one tensor-parallel rank holds (heads split evenly across ``tp`` ranks)."""
-        hk, hv, dk, dv, _ = self.gdn_heads
-        if tp < 1 or hk % tp or hv % tp:
-            raise ValueError(f"tp: {self.name} has {hk} key and {hv} value heads; tp={tp} does not divide both")
-        return GDNShape(hk // tp, hv // tp, dk, dv)
+    def heads(self, tp: int = 1) -> HeadShape:
+        """The GDN heads one of ``tp`` tensor-parallel ranks holds (heads split evenly)."""
+        try:
+            return self.gdn.per_rank(tp)
+        except ValueError as error:
+            raise ValueError(f"{self.name}: {error}") from None
 
 
 def read_yaml(path: Path) -> dict:
@@ -172,7 +167,8 @@ def load_model(name_or_path: str) -> ModelProfile:
         vocab_size=f.get("vocab_size", int),
         attention=AttentionShape(attention.get("num_heads", int), attention.get("num_kv_heads", int),
                                  attention.get("head_dim", int)),
-        gdn_heads=(hk, hv, gdn.get("key_head_dim", int), gdn.get("value_head_dim", int), gdn.get("conv_width", int)),
+        gdn=HeadShape(hk=hk, hv=hv, dk=gdn.get("key_head_dim", int), dv=gdn.get("value_head_dim", int)),
+        conv_width=gdn.get("conv_width", int),
         ffn=ffn_shape,
     )
     return profile

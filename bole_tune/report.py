@@ -77,6 +77,9 @@ def write_report(data: dict, out) -> list[Path]:
     if budgets:
         fig, axes = _panels(plt, len(budgets))
         for ax, (name, budget) in zip(axes, budgets.items()):
+            if budget.get("step_curve") not in curves:
+                raise ValueError(f"budgets.{name}.step_curve: no step curve {budget.get('step_curve')!r} in the "
+                                 "database (run bole-tune step, then bole-tune budget)")
             a = budget["acceptance"]
             model = AcceptanceModel(a["name"], tuple(a["depth_acceptance"]), tuple(a["rank_share"]))
             plan = plan_budgets(model, StepCurve(curves[budget["step_curve"]]["points"]))

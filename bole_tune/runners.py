@@ -10,13 +10,21 @@ writes such a file while it measures.
 from __future__ import annotations
 
 import json
+import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from bole_tune.atomic import write_text_atomic
+from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
 from bole_tune.fingerprint import Fingerprint, fingerprint
+from bole_tune.kernels import tree_verify
+from bole_tune.kernels.verify.self_check import accepted_error
+from bole_tune.shapes import torch_dtype
 
 STATUSES = ("ok", "wrong", "infeasible")
 
@@ -46,15 +54,14 @@ class DeviceLost(RuntimeError):
 
 
 def config_text(config: KernelConfig) -> str:
-    return f"{config.b_k}/{config.b_v}/{config.num_warps}/{config.num_stages}"
+    """How recordings name a config: `KernelConfig.text` (``"64/32/4/2"``)."""
+    return config.text
 
 
 class GPURunner:
     """Measures configs on a CUDA device (or, without one, the CPU fallback, which ignores configs)."""
 
     def __init__(self, device="cuda", repeats: int = 30):
-        import torch
-
         self.device = torch.device(device)
         self.repeats = repeats
         self._bench_key = None
@@ -66,34 +73,25 @@ class GPURunner:
 
     def bench(self, key: ShapeKey, max_depth: int = 8):
         """The `CaseBench` of ``key`` (one kept at a time: buckets are tuned one after another)."""
-        from bole_tune.bench import DTYPES, BenchCase, CaseBench
-        from bole_tune.profiles import GDNShape
-
         if self._bench_key != key:
-            case = BenchCase(GDNShape(key.hk, key.hv, key.dk, key.dv), key.batch_bucket, key.tree_bucket,
-                             DTYPES[key.dtype], max_depth)
+            case = BenchCase(key.heads, key.batch_bucket, key.tree_bucket, torch_dtype(key.dtype), max_depth)
             self._bench, self._bench_key = CaseBench(case, self.device), key
         return self._bench
 
     def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
-        import torch
-
-        from bole_tune.bench import DTYPES, accepted_error
-        from bole_tune.kernels import tree_verify
-
         bench = self.bench(key)
         bench.reference()  # the harness itself must not fail inside the guarded region below
         try:
-            check = bench.resident_check(config)
-            if check is not None and not check[0] <= check[1]:  # tree_verify would run the fused kernel
-                return Measurement("wrong", rel_error=check[0],
-                                   message=f"the resident kernel's self-check: relative error {check[0]:.2e} "
-                                           f"(a Triton miscompile); tree_verify runs the fused kernel for it")
-            error = bench.error(tree_verify, config)
-            if not error <= accepted_error(DTYPES[key.dtype]):
+            with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
+                warnings.simplefilter("ignore", UserWarning)
+                launch = bench.launch(config)
+            if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
+                return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
+            error = bench.error(tree_verify, launch)
+            if not error <= accepted_error(torch_dtype(key.dtype)):
                 return Measurement("wrong", rel_error=error,
                                    message=f"relative error {error:.2e} against the float64 reference")
-            timing, _ = bench.time_verify(tree_verify, config, repeats=self.repeats)
+            timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)
         except torch.cuda.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             return Measurement("infeasible", message=f"out of memory: {str(error)[:200]}")
@@ -106,12 +104,20 @@ class GPURunner:
         return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
 
 
+class RecordingIncomplete(ValueError):
+    """A replay asked for a config its recording does not hold (the recording and the search space
+    disagree); the message names the recording, the bucket and the config."""
+
+
 class ReplayRunner:
     """Answers from recorded measurements: ``{"device": {...}, "measurements": {key: {config: m}}}``.
 
     A recording may also list ``"crashes": {key: [config, ...]}``: configs that took the GPU context
-    down; replaying one raises `DeviceLost`, as the GPU runner does. ``delay`` seconds per measurement
-    make a replay take time like a real run (for watching, or testing, workers).
+    down; replaying one raises `DeviceLost`, as the GPU runner does. A config (or bucket) the recording
+    does not hold raises `RecordingIncomplete`: a replay answers only what was measured, and a missing
+    config is a recording that does not match the search space, never an "infeasible" config.
+    ``delay`` seconds per measurement make a replay take time like a real run (for watching, or
+    testing, workers).
     """
 
     def __init__(self, path, delay: float = 0.0):
@@ -143,16 +149,20 @@ class ReplayRunner:
         return list(self.measurements)
 
     def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
-        import time
-
         self.calls += 1
         if self.delay:
             time.sleep(self.delay)
         if config_text(config) in self.crashes.get(key.text, ()):
             raise DeviceLost(f"{config} crashed the GPU context on {key.text} (recorded crash)")
-        recorded = self.measurements.get(key.text, {}).get(config_text(config))
+        by_config = self.measurements.get(key.text)
+        if by_config is None:
+            raise RecordingIncomplete(f"{self.path}: the recording has no bucket {key.text} (it holds "
+                                      f"{', '.join(self.measurements) or 'none'})")
+        recorded = by_config.get(config_text(config))
         if recorded is None:
-            return Measurement("infeasible", message="not in the recording")
+            raise RecordingIncomplete(f"{self.path}: {key.text}: config {config_text(config)} (b_k/b_v/num_warps/"
+                                      f"num_stages) is not in the recording; record it, or replay with the "
+                                      f"search space it was recorded on")
         return recorded
 
 
@@ -173,6 +183,6 @@ class RecordingRunner:
 
     def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
         m = self.inner.measure(key, config)
-        self.data["measurements"].setdefault(key.text, {})[config_text(config)] = m.as_dict()
+        self.data["measurements"].setdefault(key.text, {})[config.text] = m.as_dict()
         write_text_atomic(self.path, json.dumps(self.data, indent=1) + "\n")
         return m

@@ -8,26 +8,26 @@ from pathlib import Path
 
 from bole_tune.config import KernelConfig, node_block
 from bole_tune.profiles import PROFILES_DIR, Fields, ProfileError, read_yaml
+from bole_tune.shapes import torch_dtype
 
 DEFAULT_SHARED_MEMORY = 227 * 1024  # bytes per block on sm_90 when the device does not say
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    b_k: tuple[int, ...]
-    b_v: tuple[int, ...]
-    num_warps: tuple[int, ...]
-    num_stages: tuple[int, ...]
+    """The candidate values of every knob of `KernelConfig` (``values``, in `KernelConfig.knobs` order)."""
+
+    values: dict  # knob name -> tuple of candidate values, sorted
     source: str = ""
 
     @classmethod
     def load(cls, path=None) -> "SearchSpace":
         path = Path(path) if path else PROFILES_DIR / "search_space.yaml"
         f = Fields(read_yaml(path), path)
-        f.reject_unknown({"b_k", "b_v", "num_warps", "num_stages"})
+        knobs = KernelConfig.knobs()
+        f.reject_unknown(set(knobs))
         values = {}
-        for name in ("b_k", "b_v", "num_warps", "num_stages"):
+        for name in knobs:
             items = f.get(name, list)
             if not items:
                 raise ProfileError(f"{path}: {name}: the list is empty")
@@ -35,18 +35,20 @@ class SearchSpace:
                 if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
                     raise ProfileError(f"{path}: {name}: expected positive ints, got {item!r}")
             values[name] = tuple(sorted(set(items)))
+        space = cls(values, source=str(path))
         try:
-            for combo in itertools.product(*values.values()):
-                KernelConfig(*combo)
+            space.configs()
         except ValueError as error:
             raise ProfileError(f"{path}: {error}") from None
-        return cls(**values, source=str(path))
+        return space
 
     def configs(self) -> list[KernelConfig]:
-        return [KernelConfig(*c) for c in itertools.product(self.b_k, self.b_v, self.num_warps, self.num_stages)]
+        """Every combination of the knobs' values."""
+        names = list(self.values)
+        return [KernelConfig(**dict(zip(names, combo))) for combo in itertools.product(*self.values.values())]
 
-    def params(self, config: KernelConfig) -> dict:
-        return config.as_dict()
+    def contains(self, config: KernelConfig) -> bool:
+        return all(getattr(config, name) in values for name, values in self.values.items())
 
 
 def shared_memory_estimate(config: KernelConfig, tree_size: int, dtype: str) -> int:
@@ -56,7 +58,7 @@ def shared_memory_estimate(config: KernelConfig, tree_size: int, dtype: str) -> 
     ``[B_T, max(B_T, b_v)]`` fp32 operand pair for layout changes.
     """
     b_t = node_block(tree_size)
-    per_stage = 2 * b_t * config.b_k * DTYPE_BYTES[dtype] + config.b_v * config.b_k * 4
+    per_stage = 2 * b_t * config.b_k * torch_dtype(dtype).itemsize + config.b_v * config.b_k * 4
     staging = 2 * b_t * max(b_t, config.b_v) * 4
     return config.num_stages * per_stage + staging
 

@@ -21,12 +21,17 @@ whole, so every model fits one GPU; the database records this method.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bole_tune.profiles import ModelProfile
+from bole_tune import database
+from bole_tune.fingerprint import fingerprint
+from bole_tune.kernels import serial_verify, tree_verify
+from bole_tune.profiler import provenance
+from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
 from bole_tune.workloads import make_inputs, make_tree
 
@@ -79,7 +84,7 @@ class _Weights:
         def w(rows, cols):
             return torch.randn(rows, cols, generator=g, device=device, dtype=dtype) * (rows ** -0.5)
 
-        hk, hv, dk, dv, _ = model.gdn_heads
+        hk, hv, dk, dv = model.gdn.hk, model.gdn.hv, model.gdn.dk, model.gdn.dv
         a = model.attention
         self.gdn_in = w(h, 2 * hk * dk + 2 * hv * dv)
         self.gdn_gates = w(h, 2 * hv)
@@ -129,8 +134,8 @@ class StepModel:
     def __init__(self, model: ModelProfile, batch: int, tree_size: int, weights: _Weights, context: int, device,
                  max_depth: int = 8):
         self.model, self.wt, self.device = model, weights, torch.device(device)
-        hk, hv, dk, dv, _ = model.gdn_heads
-        self.shape = (hk, hv, dk, dv)
+        self.heads = h = model.gdn
+        hk, hv, dk, dv = h.hk, h.hv, h.dk, h.dv
         self.tree = make_tree([tree_size] * batch, max_depth=max_depth, seed=1, device=device)
         n = self.tree.num_nodes
         g = torch.Generator(device=device).manual_seed(2)
@@ -148,16 +153,14 @@ class StepModel:
             ~self.mask, float("-inf")).repeat(1, 1, group, 1)
 
     def _attention_mask(self, batch, size, context):
-        from bole_tune.kernels.reference import ancestor_mask
-
-        masks = [ancestor_mask(self.tree, r, self.device) for r in range(batch)]
+        masks = [self.tree.ancestor_mask(r, self.device) for r in range(batch)]
         tree_part = torch.stack(masks)  # [B, T, T]
         full = torch.ones(batch, size, context + size, dtype=torch.bool, device=self.device)
         full[:, :, context:] = tree_part
         return full[:, None]  # [B, 1, T, context + T]
 
     def gdn_layer(self, verify) -> torch.Tensor:
-        hk, hv, dk, dv = self.shape
+        hk, hv, dk, dv = self.heads.hk, self.heads.hv, self.heads.dk, self.heads.dv
         n = self.x.shape[0]
         x = _rms(self.x)
         proj = F.silu(x @ self.wt.gdn_in)
@@ -211,8 +214,6 @@ class StepModel:
 def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 4096, device="cuda",
                        repeats: int = 20, serial: bool = True, progress=None) -> list[StepPoint]:
     """Step latency at every (batch, tree size); tree size 1 is plain decoding."""
-    from bole_tune.kernels import serial_verify, tree_verify
-
     weights = _Weights(model, device)
     points = []
     for batch in batches:
@@ -234,3 +235,55 @@ def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 
                 progress(model, batch, size, points[-1])
             del m
     return points
+
+
+STEP_BATCHES = (1, 2, 4, 8, 16, 32)
+STEP_TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class StepResult:
+    """What `measure_and_store` measured and where it wrote it."""
+
+    slug: str
+    device_name: str
+    path: Path
+    on_gpu: bool
+    points: dict = field(default_factory=dict)  # model name -> [StepPoint]
+    notes: list[str] = field(default_factory=list)
+
+
+def step_curve_entry(model: ModelProfile, points: list[StepPoint], context: int, fp) -> dict:
+    """The database entry (``step_curves.<model>/bf16``) of one model's measured points."""
+    return {"model": model.name, "dtype": "bf16", "context": context,
+            "layers": {"gdn": model.num_gdn_layers, "attention": model.num_attention_layers},
+            "measured_by": "layer groups, summed", "points": [p.as_dict() for p in points],
+            "provenance": provenance(fp, METHOD)}
+
+
+def measure_and_store(models=None, batches=STEP_BATCHES, tree_sizes=STEP_TREE_SIZES, context: int = 4096,
+                      repeats: int = 20, serial: bool = True, db_dir=None, replace_corrupt: bool = False,
+                      progress=None) -> StepResult:
+    """Measure the verification step of each model (`DEFAULT_MODELS` when None; names or profiles) on this
+    machine's GPU, or its CPU without one, and store each model's curve in ``<db_dir>/<gpu>.yaml`` as soon
+    as it is measured. ``progress(model, batch, tree_size, point)`` after each point."""
+    profiles = [resolve_model(m) if isinstance(m, str) else m for m in (models or DEFAULT_MODELS)]
+    if context < 1:
+        raise ValueError("--context: must be positive")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fp = fingerprint(device)
+    path = database.database_path(fp.slug, db_dir)
+    result = StepResult(fp.slug, fp.name, path, on_gpu=device == "cuda")
+    note = database.prepare(path, replace_corrupt)
+    if note:
+        result.notes.append(note)
+    if device == "cpu":
+        result.notes.append("No CUDA GPU: timed the layers on the CPU with the wall clock; these numbers say "
+                            "nothing about a GPU's step.")
+    for model in profiles:
+        points = measure_step_curve(model, batches, tree_sizes, context, device, repeats, serial=serial,
+                                    progress=progress)
+        database.update(path, device=fp.as_dict(), step_curves={f"{model.name}/bf16":
+                                                                step_curve_entry(model, points, context, fp)})
+        result.points[model.name] = points
+    return result

@@ -1,4 +1,4 @@
-"""Timing as ../.library METHOD says: warm-up, CUDA-graph replays timed with events, medians.
+"""Timing: warm-up, CUDA-graph replays timed with events, medians (BENCHMARKS.md, "How figures are measured").
 
 A measurement captures one CUDA graph that launches the kernel once per input set, the sets
 together larger than the L2 cache, so every launch reads its operands from HBM as in a real model

@@ -21,7 +21,8 @@ import optuna
 
 from bole_tune.config import KernelConfig, default_config
 from bole_tune.database import ShapeKey
-from bole_tune.runners import DeviceLost, Measurement, config_text
+from bole_tune.kernels import PLANNER
+from bole_tune.runners import DeviceLost, Measurement
 from bole_tune.search_space import SearchSpace, feasible
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -80,10 +81,6 @@ def study_name(slug: str, key: ShapeKey) -> str:
     return f"bole-tune:{slug}:{key.text}"
 
 
-def _params(config: KernelConfig) -> dict:
-    return {"b_k": config.b_k, "b_v": config.b_v, "num_warps": config.num_warps, "num_stages": config.num_stages}
-
-
 def _measurement_of(trial) -> Measurement | None:
     data = trial.user_attrs.get("measurement")
     return Measurement.from_dict(data) if data else None
@@ -109,13 +106,13 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     with warnings.catch_warnings():  # experimental in optuna, stable in use since v2.9
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-    default = default_config(key.dk, key.dv)
+    default = default_config(key.heads.dk, key.heads.dv)
     if not study.trials:
         study.set_user_attr("key", key.as_dict())
         starts = [default] + list(warm_start) + kernel_starts(key)
         for config in dict.fromkeys(starts):  # in order, once each
-            if all(v in values for v, values in zip(_params(config).values(), _space_lists(space))):
-                study.enqueue_trial(_params(config), skip_if_exists=True)
+            if space.contains(config):
+                study.enqueue_trial(config.as_dict(), skip_if_exists=True)
     measured: dict = {}
 
     def known(text: str) -> Measurement | None:
@@ -123,26 +120,22 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
         if text not in measured:
             for t in study.get_trials(deepcopy=False, states=FINISHED):
                 m = _measurement_of(t)
-                if m is not None and config_text(KernelConfig(**t.params)) == text:
+                if m is not None and KernelConfig.from_dict(t.params).text == text:
                     measured[text] = m
                     break
         return measured.get(text)
 
     def objective(trial: optuna.Trial) -> float:
-        config = KernelConfig(
-            b_k=trial.suggest_categorical("b_k", list(space.b_k)),
-            b_v=trial.suggest_categorical("b_v", list(space.b_v)),
-            num_warps=trial.suggest_categorical("num_warps", list(space.num_warps)),
-            num_stages=trial.suggest_categorical("num_stages", list(space.num_stages)),
-        )
+        config = KernelConfig.from_dict({name: trial.suggest_categorical(name, list(values))
+                                         for name, values in space.values.items()})
         if worker:
             trial.set_user_attr("worker", worker)
-        text = config_text(config)
+        text = config.text
         m = known(text)
         if m is not None:
             trial.set_user_attr("repeat_of_earlier_trial", True)
         else:
-            ok, reason = feasible(config, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+            ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)
             if not ok:
                 trial.set_user_attr("status", "pruned")
                 trial.set_user_attr("reason", reason)
@@ -185,19 +178,19 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
             done = len(study.get_trials(deepcopy=False, states=FINISHED))
             if done >= n_trials:
                 break
-            tried = {config_text(KernelConfig(**t.params)) for t in study.get_trials(deepcopy=False)
-                     if set(t.params) == {"b_k", "b_v", "num_warps", "num_stages"}}
+            tried = {KernelConfig.from_dict(t.params).text for t in study.get_trials(deepcopy=False)
+                     if set(t.params) == set(KernelConfig.knobs())}
             steps = []
             for center in _ranked_configs(study):  # the best first; the runners-up once its neighbours are done
-                steps = [c for c in step_neighbours(center, space) if config_text(c) not in tried
-                         and feasible(c, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)[0]]
+                steps = [c for c in step_neighbours(center, space) if c.text not in tried and
+                         feasible(c, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)[0]]
                 if steps:
                     break
             if not steps:
                 break
             steps = steps[:n_trials - done]
             for config in steps:
-                study.enqueue_trial(_params(config), skip_if_exists=True)
+                study.enqueue_trial(config.as_dict(), skip_if_exists=True)
             run_until(done + len(steps))
         run_until(n_trials)
     if lost:
@@ -219,15 +212,16 @@ def _ranked_configs(study) -> list[KernelConfig]:
     for t in study.get_trials(deepcopy=False, states=FINISHED):
         m = _measurement_of(t)
         if m is not None and m.status == "ok":
-            ranked[config_text(KernelConfig(**t.params))] = (m.p50_us, KernelConfig(**t.params))
+            config = KernelConfig.from_dict(t.params)
+            ranked[config.text] = (m.p50_us, config)
     return [c for _, c in sorted(ranked.values(), key=lambda x: x[0])]
 
 
 def step_neighbours(config: KernelConfig, space: SearchSpace) -> list[KernelConfig]:
     """Configs one step away in one parameter (the next smaller or larger value of the space)."""
     found = []
-    values = _params(config)
-    for name, choices in zip(values, _space_lists(space)):
+    values = config.as_dict()
+    for name, choices in space.values.items():
         choices = sorted(choices)
         if values[name] not in choices:
             continue
@@ -246,11 +240,7 @@ def load_result(storage, slug: str, key: ShapeKey) -> TuneResult:
     """The current result of a bucket's study, read from the storage (after the workers are done)."""
     name = study_name(slug, key)
     study = optuna.load_study(study_name=name, storage=storage)
-    return _result(study, key, name, default_config(key.dk, key.dv))
-
-
-def _space_lists(space: SearchSpace):
-    return (space.b_k, space.b_v, space.num_warps, space.num_stages)
+    return _result(study, key, name, default_config(key.heads.dk, key.heads.dv))
 
 
 def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResult:
@@ -273,7 +263,7 @@ def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResul
         if not t.user_attrs.get("repeat_of_earlier_trial"):
             counts["measured"] += 1
             counts[m.status] = counts.get(m.status, 0) + 1
-        config = KernelConfig(**t.params)
+        config = KernelConfig.from_dict(t.params)
         if config == default:
             default_m = m
         if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
@@ -288,11 +278,9 @@ RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), Kerne
 
 def kernel_starts(key: ShapeKey) -> list[KernelConfig]:
     """Configs a study starts with for the kernel this bucket runs on (beside default and neighbours)."""
-    from bole_tune.kernels.tree_verify import pick_variant
-
-    if pick_variant(key.batch_bucket, key.hv, key.tree_bucket) != "resident":
+    if PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) != "resident":
         return []
-    return [c for c in RESIDENT_STARTS if c.fits(key.dk, key.dv)]
+    return [c for c in RESIDENT_STARTS if c.fits(key.heads.dk, key.heads.dv)]
 
 
 def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
@@ -310,7 +298,7 @@ def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
 
     found = []
     for other_text, (other, config) in tuned.items():
-        if other.head_key != key.head_key or other == key:
+        if (other.heads, other.dtype, other.tp) != (key.heads, key.dtype, key.tp) or other == key:
             continue
         steps = abs(math.log2(other.tree_bucket / key.tree_bucket)) + abs(math.log2(other.batch_bucket / key.batch_bucket))
         if steps <= 1:
@@ -323,9 +311,9 @@ def exhaustive_bucket(runner, key: ShapeKey, space: SearchSpace, shared_memory_l
     """Measure every feasible config of the space on one bucket (the yardstick for the tuner)."""
     results = {}
     for config in space.configs():
-        ok, reason = feasible(config, key.dk, key.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+        ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)
         m = runner.measure(key, config) if ok else Measurement("infeasible", message=reason)
-        results[config_text(config)] = m
+        results[config.text] = m
         if on_trial:
             on_trial(config, m)
     return results

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
+from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 from bole_tune.workloads import relative_error, tree_parents
 
@@ -43,10 +44,7 @@ def _transformers():
 class ModelSize:
     """A small Qwen3.5 text model: 3 GDN layers then 1 attention layer, repeated ``groups`` times."""
 
-    hk: int = 2
-    hv: int = 4
-    dk: int = 32
-    dv: int = 32
+    heads: HeadShape = HeadShape(hk=2, hv=4, dk=32, dv=32)
     hidden: int = 64
     groups: int = 1
     vocab: int = 97
@@ -60,15 +58,15 @@ class ModelSize:
         config = t.Qwen3_5TextConfig(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=2 * self.hidden,
             num_hidden_layers=layers, num_attention_heads=self.attention_heads, num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim, linear_num_key_heads=self.hk, linear_num_value_heads=self.hv,
-            linear_key_head_dim=self.dk, linear_value_head_dim=self.dv, eos_token_id=None, pad_token_id=0,
-            bos_token_id=None)
+            head_dim=self.head_dim, linear_num_key_heads=self.heads.hk, linear_num_value_heads=self.heads.hv,
+            linear_key_head_dim=self.heads.dk, linear_value_head_dim=self.heads.dv, eos_token_id=None,
+            pad_token_id=0, bos_token_id=None)
         config._attn_implementation = "eager"
         return config
 
 
-PRODUCTION = ModelSize(hk=16, hv=32, dk=128, dv=128, hidden=512, vocab=199, attention_heads=4, kv_heads=2,
-                       head_dim=64)
+PRODUCTION = ModelSize(heads=HeadShape(hk=16, hv=32, dk=128, dv=128), hidden=512, vocab=199, attention_heads=4,
+                       kv_heads=2, head_dim=64)
 
 
 def build_model(size: ModelSize, device, seed: int = 0, logit_scale: float = 30.0):
@@ -249,9 +247,8 @@ class TreeDecoder:
         h = m.embed_tokens(tokens)[None]
         cos_sin = m.rotary_emb(h, positions.view(1, 1, -1).expand(3, 1, -1))
         committed = next(iter(self.keys.values())).shape[2]
-        from bole_tune.kernels.reference import ancestor_mask
         visible = torch.ones(len(parents), committed + len(parents), dtype=torch.bool, device=self.device)
-        visible[:, committed:] = ancestor_mask(tree, 0, self.device)
+        visible[:, committed:] = tree.ancestor_mask(0, self.device)
         mask = torch.zeros(visible.shape, device=self.device).masked_fill(~visible, float("-inf"))[None, None]
         self.steps, self.appended = {}, {}
         for i, layer in enumerate(m.layers):

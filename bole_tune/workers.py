@@ -22,7 +22,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import optuna
+import torch
+
+from bole_tune.atomic import write_text_atomic
+from bole_tune.config import KernelConfig
+from bole_tune.database import ShapeKey
+from bole_tune.runners import DeviceLost, GPURunner, RecordingIncomplete, ReplayRunner
+from bole_tune.search_space import SearchSpace
+from bole_tune.tuner import best_config_of, neighbours, open_storage, tune_bucket
+
 EXIT_DEVICE_LOST = 3
+EXIT_RECORDING_INCOMPLETE = 4  # a replay met a config its recording lacks: restarting cannot help
 SAMPLERS = ("tpe", "grid", "random")
 
 
@@ -40,7 +51,6 @@ class Job:
     warm_start: dict = field(default_factory=dict)  # key text -> [config dicts] known before the run
 
     def save(self, path: Path) -> None:
-        from bole_tune.atomic import write_text_atomic
         write_text_atomic(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
@@ -49,20 +59,14 @@ class Job:
 
 
 def make_runner(spec: dict):
-    from bole_tune.runners import GPURunner, ReplayRunner
-
     if spec["kind"] == "replay":
         return ReplayRunner(spec["path"], delay=spec.get("delay", 0.0))
     return GPURunner("cuda", repeats=spec.get("repeats", 30))
 
 
 def make_sampler(name: str, seed: int, space):
-    import optuna
-
     if name == "grid":
-        return optuna.samplers.GridSampler({"b_k": list(space.b_k), "b_v": list(space.b_v),
-                                            "num_warps": list(space.num_warps),
-                                            "num_stages": list(space.num_stages)}, seed=seed)
+        return optuna.samplers.GridSampler({name: list(values) for name, values in space.values.items()}, seed=seed)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True)
@@ -83,12 +87,6 @@ def _exit_with_parent() -> None:
 
 def run_worker(job: Job, index: int) -> int:
     """Tune every key of the job, in order, as worker ``index``; returns the process exit status."""
-    from bole_tune.config import KernelConfig
-    from bole_tune.database import ShapeKey
-    from bole_tune.runners import DeviceLost
-    from bole_tune.search_space import SearchSpace
-    from bole_tune.tuner import best_config_of, neighbours, open_storage, tune_bucket
-
     space = SearchSpace.load(job.space or None)
     storage = open_storage(job.storage)
     runner = make_runner(job.runner)
@@ -96,7 +94,7 @@ def run_worker(job: Job, index: int) -> int:
     tuned = {}
     for data in job.keys:
         key = ShapeKey.from_dict(data)
-        warm = [KernelConfig(**c) for c in job.warm_start.get(key.text, [])]
+        warm = [KernelConfig.from_dict(c) for c in job.warm_start.get(key.text, [])]
         warm += [c for c in neighbours(key, tuned) if c not in warm]
         # a grid sampler's grid ids index a list shuffled by its seed: every worker must share one seed
         sampler = make_sampler(job.sampler, job.seed + (0 if job.sampler == "grid" else index), space)
@@ -106,6 +104,9 @@ def run_worker(job: Job, index: int) -> int:
         except DeviceLost as error:
             print(f"worker {index}: {error}", file=sys.stderr, flush=True)
             return EXIT_DEVICE_LOST
+        except RecordingIncomplete as error:
+            print(error, file=sys.stderr, flush=True)
+            return EXIT_RECORDING_INCOMPLETE
         best = best_config_of(storage, job.slug, key)
         if best is not None:
             tuned[key.text] = (key, best)
@@ -117,11 +118,7 @@ def visible_devices() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()]
-    try:
-        import torch
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:
-        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 # table of the stages last.
 # Usage (from the repository root, on the GPU machine): bash scripts/gpu_suite.sh [stage ...]
 #   tests     all of tests/ on the GPU
-#   gputests  the GPU tests of the kernels (production shapes, resident kernel, fp16 sweeps, the layer)
+#   gputests  the kernels' tests on the GPU (production shapes, both kernels, the planner, the layer, validate)
 #   validate  bole-tune validate --production (greedy output against transformers)
 #   profile   a quick profile into $OUT's database (bole-tune profile --quick, curves)
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
@@ -39,8 +39,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,temp
 run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/STAGE.log
   case $1 in
     tests) timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -q -p no:cacheprovider ;;
-    gputests) timeout "${GPUTESTS_TIMEOUT:-300}" python3 -m pytest tests/test_tree_verify.py tests/test_gdn_layer.py -q \
-        -p no:cacheprovider -k "gpu or correlated or depth or resident or sixteen or sweeps" ;;
+    gputests) timeout "${GPUTESTS_TIMEOUT:-300}" python3 -m pytest tests/test_tree_verify.py tests/test_planner.py \
+        tests/test_gdn_layer.py tests/test_validate.py -q -p no:cacheprovider ;;
     validate) timeout "${VALIDATE_TIMEOUT:-110}" bole-tune validate --production --prompts 2 --tokens 200 ;;
     profile) BOLE_TUNE_DB="$OUT" timeout "${PROFILE_TIMEOUT:-300}" bole-tune profile --quick --repeats 20 \
         --curve-batch 1,4,16 --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" ;;

@@ -3,7 +3,8 @@
 import torch
 
 from bole_tune.kernels import TreeVerifyResult
-from bole_tune.kernels.common import VerifyShape, result_buffers
+from bole_tune.kernels.verify.result import VerifyShape, result_buffers
+from bole_tune.shapes import HeadShape
 from bole_tune.workloads import relative_error
 
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -13,7 +14,8 @@ def poisoned_out(x, tree) -> TreeVerifyResult:
     """Output buffers filled with NaN, so a test sees any element the kernel did not write."""
     n, hk, dk = x.q.shape
     hv, dv = x.v.shape[1:]
-    shape = VerifyShape(n, tree.num_requests, x.state.shape[0], hk, hv, dk, dv, 1.0)
+    shape = VerifyShape(heads=HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), num_nodes=n, num_requests=tree.num_requests,
+                        num_slots=x.state.shape[0], scale=1.0)
     out = result_buffers(shape, x.q.dtype, x.q.device, tree, None)
     for name in ("o", "u", "log_decay", "k", "k_scale"):
         getattr(out, name).fill_(float("nan"))

@@ -15,7 +15,8 @@ import torch
 from bole_tune import KernelConfig, TreeBatch, database
 from bole_tune.acceptance import load_acceptance
 from bole_tune.kernels import tree_commit, tree_verify
-from bole_tune.kernels.common import VerifyShape, result_buffers
+from bole_tune.kernels.verify.result import VerifyShape, result_buffers
+from bole_tune.shapes import HeadShape
 from bole_tune.profiles import ProfileError, load_model
 from bole_tune.search_space import SearchSpace
 from bole_tune.workloads import make_inputs, make_tree
@@ -107,7 +108,8 @@ def test_tree_verify_refuses_options(batch, case, monkeypatch):
 
 def test_out_buffer_of_the_wrong_shape(batch):
     tree, x = batch
-    wrong = result_buffers(VerifyShape(8, 2, 5, 2, 4, 32, 16, 1.0), torch.float32, "cpu", tree, None)
+    wrong = result_buffers(VerifyShape(heads=HeadShape(hk=2, hv=4, dk=32, dv=16), num_nodes=8, num_requests=2,
+                                       num_slots=5, scale=1.0), torch.float32, "cpu", tree, None)
     with pytest.raises(ValueError, match="out.o: expected a contiguous"):
         tree_verify(*x.args(tree), out=wrong)
 

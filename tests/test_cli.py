@@ -185,3 +185,16 @@ def test_budget_and_calibrate_usage_errors(tmp_path):
     assert_usage_error(run("calibrate", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     assert_usage_error(run("budget", "--gpu", "no-such-gpu", "--db-dir", str(tmp_path)), "no tuning database")
     assert_usage_error(run("budget", "--acceptance", "nope"), "acceptance model 'nope'")
+
+
+def test_a_recording_without_a_config_the_tuner_asks_for_is_one_line(tmp_path):
+    """A replay whose recording lacks a config of the search space stops with one line naming the recording,
+    the bucket and the config (exit 2), not a worker traceback and not a config called infeasible."""
+    recording = write_recording(tmp_path / "rec.json")
+    data = json.loads(recording.read_text())
+    del data["measurements"][KEY.text]["64/32/4/2"]  # the default config: every study measures it first
+    recording.write_text(json.dumps(data))
+    result = run("tune", "--replay", str(recording), "--model", "qwen3.5-9b", "--batch", "16", "--tree-size", "64",
+                 "--trials", "8", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--db-dir", str(tmp_path / "db"))
+    assert_usage_error(result, "rec.json", KEY.text, "64/32/4/2")
+    assert not (tmp_path / "db" / "replay-gpu.yaml").exists()

@@ -8,8 +8,15 @@ import yaml
 
 from bole_tune import database
 from bole_tune.database import DatabaseError, ShapeKey
+from bole_tune.shapes import BATCH_BUCKETS, TREE_BUCKETS, HeadShape, batch_bucket, tree_bucket
 
-KEY = ShapeKey(32, 16, 128, 128, "bf16", 64, 16)
+
+def shape_key(hv=32, hk=16, tree=64, batch=16, dtype="bf16", dk=128, dv=128, tp=1) -> ShapeKey:
+    return ShapeKey(heads=HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), dtype=dtype, tree_bucket=tree, batch_bucket=batch,
+                    tp=tp)
+
+
+KEY = shape_key()
 
 
 def _triton_version() -> str:
@@ -28,7 +35,7 @@ def entry(key=KEY, b_v=64, p50=40.0):
 def test_round_trip_and_merge(tmp_path):
     path = tmp_path / "gpu.yaml"
     database.update(path, device={"slug": "gpu", "name": "GPU"}, configs={KEY.text: entry()})
-    other = ShapeKey(48, 16, 128, 128, "bf16", 64, 16)
+    other = shape_key(hv=48)
     database.update(path, configs={other.text: entry(other, b_v=32)},
                     curves={"m/k/bf16": {"model": "m", "kernel": "k", "dtype": "bf16", "provenance": {},
                                          "points": [{"batch": 1, "tree_size": 8, "p20": 1, "p50": 2, "p80": 3}]}})
@@ -122,8 +129,7 @@ def test_empty_file_is_reported(tmp_path):
 
 def _writer(path, worker, count):
     for i in range(count):
-        key = ShapeKey(16 * (worker + 1), 16, 128, 128, "bf16", database.TREE_BUCKETS[i % 6],
-                       database.BATCH_BUCKETS[i // 6])
+        key = shape_key(hv=16 * (worker + 1), tree=TREE_BUCKETS[i % 6], batch=BATCH_BUCKETS[i // 6])
         database.update(path, configs={key.text: entry(key)})
 
 
@@ -140,8 +146,8 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 
 def test_buckets():
-    assert [database.tree_bucket(t) for t in (1, 8, 9, 64, 65, 300)] == [8, 8, 16, 64, 128, 256]
-    assert [database.batch_bucket(b) for b in (1, 3, 16, 17, 100)] == [1, 4, 16, 32, 32]
+    assert [tree_bucket(t) for t in (1, 8, 9, 64, 65, 300)] == [8, 8, 16, 64, 128, 256]
+    assert [batch_bucket(b) for b in (1, 3, 16, 17, 100)] == [1, 4, 16, 32, 32]
 
 
 def test_search_directories_follow_the_environment(monkeypatch, tmp_path):
@@ -152,3 +158,132 @@ def test_search_directories_follow_the_environment(monkeypatch, tmp_path):
     dirs = database.search_directories()
     assert dirs[0] == tmp_path / "bole-tune" / "tuning_db" and dirs[-1] == database.SHIPPED_DIR
     assert os.path.isdir(database.SHIPPED_DIR)
+
+
+# ---- one search rule, one parse per file, budgets and step curves validated -------------------------
+
+def test_user_entries_win_over_shipped_ones_and_show_shows_what_the_runtime_reads(tmp_path, monkeypatch):
+    """The user's folder is read before the shipped database: an entry of the same name there wins, every
+    other shipped entry is kept, and `show` prints exactly that merge."""
+    import json
+    import subprocess
+    import sys
+
+    from bole_tune import lookup
+
+    monkeypatch.delenv("BOLE_TUNE_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    shipped = database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")
+    name, theirs = next(iter(shipped["configs"].items()))
+    key = ShapeKey.from_dict(theirs["key"])
+    mine = entry(key, b_v=16 if theirs["config"]["b_v"] != 16 else 32)
+    user_file = database.database_path("nvidia-h200")
+    assert user_file.parent == tmp_path / "bole-tune" / "tuning_db"
+    database.update(user_file, configs={key.text: mine})
+    lookup.clear_cache()
+    found = database.search("nvidia-h200")
+    assert found.files == (user_file, database.SHIPPED_DIR / "nvidia-h200.yaml")
+    assert found.entries("configs")[name]["config"] == mine["config"]
+    assert found.source("configs", name) == user_file
+    assert set(found.entries("configs")) == set(shipped["configs"]), "shipped entries were lost in the merge"
+    assert found.entries("budgets") == shipped["budgets"]
+    decision = lookup.decide(key, "nvidia-h200", "nearest")
+    assert decision.how == "exact" and decision.config.as_dict() == mine["config"]
+    assert decision.source == str(user_file)
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    shown = subprocess.run([sys.executable, "-m", "bole_tune.cli", "show", "--gpu", "nvidia-h200", "--json"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["configs"] == json.loads(json.dumps(found.entries("configs")))
+    # BOLE_TUNE_DB (or --db-dir) is read alone
+    monkeypatch.setenv("BOLE_TUNE_DB", str(tmp_path / "elsewhere"))
+    assert database.search("nvidia-h200").files == ()
+    assert database.search("nvidia-h200", user_file.parent).files == (user_file,)
+    lookup.clear_cache()
+
+
+def test_each_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
+    from bole_tune import budget, lookup
+
+    path = tmp_path / "gpu.yaml"
+    database.update(path, configs={KEY.text: entry()})
+    database.clear_cache()
+    parsed = []
+    real = database._parse
+    monkeypatch.setattr(database, "_parse", lambda p: parsed.append(p) or real(p))
+    for _ in range(3):
+        database.load(path)
+        database.search("gpu", tmp_path)
+    assert len(parsed) == 1
+    database.update(path, configs={shape_key(hv=48).text: entry(shape_key(hv=48))})
+    parsed.clear()
+    assert len(database.load(path)["configs"]) == 2 and len(parsed) == 1, "a changed file was not read again"
+    database.load(path)
+    assert len(parsed) == 1
+    for clear in (lookup.clear_cache, budget.clear_cache):
+        clear()
+        database.load(path)
+    assert len(parsed) == 3
+
+
+def _with_budget_and_step_curve(path):
+    from bole_tune.acceptance import AcceptanceModel
+    from bole_tune.budget import StepCurve, build_budgets
+
+    points = [{"batch": b, "tree_size": t, "tokens": b * t, "gdn_us": 1.0 + t, "attention_us": 5.0,
+               "lm_head_us": 5.0, "step_us": 100.0 + b * t, "gdn_serial_us": 2.0 + t, "step_serial_us": 200.0 + b * t}
+              for b in (1, 4) for t in (1, 2, 4, 8)]
+    step = {"model": "M", "dtype": "bf16", "context": 64, "layers": {"gdn": 3, "attention": 1},
+            "measured_by": "layer groups, summed", "points": points, "provenance": {"date": "d"}}
+    budget = build_budgets(AcceptanceModel("a", (0.8, 0.6), (1.0, 0.1)), StepCurve(points))
+    budget.update(step_curve="M/bf16", provenance={"date": "d"})
+    database.update(path, step_curves={"M/bf16": step}, budgets={"M/bf16": budget})
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["budgets"]["M/bf16"]["batches"][4].pop("tokens"), "budgets.M/bf16.batches.4.tokens"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][4].update(depth="2"), "budgets.M/bf16.batches.4.depth"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(parents=[5]), "budgets.M/bf16.batches.1.parents"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(ranks=[]), "budgets.M/bf16.batches.1.ranks"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(chain_length=-1), "budgets.M/bf16.batches.1.chain_length"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(shape="star"), "budgets.M/bf16.batches.1.shape"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(tokens_per_second=0), "batches.1.tokens_per_second"),
+    (lambda d: d["budgets"]["M/bf16"]["batches"].update({"x": {}}), "budgets.M/bf16.batches.x"),
+    (lambda d: d["budgets"]["M/bf16"]["acceptance"].update(rank_share=[1.5]), "acceptance.rank_share[0]"),
+    (lambda d: d["budgets"]["M/bf16"].pop("provenance"), "budgets.M/bf16.provenance"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][2].pop("lm_head_us"), "step_curves.M/bf16.points[2].lm_head_us"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][0].update(batch=0), "step_curves.M/bf16.points[0].batch"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(tokens=7), "step_curves.M/bf16.points[1].tokens"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_us=-1.0), "step_curves.M/bf16.points[1].step_us"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_serial_us="a"), "points[1].step_serial_us"),
+    (lambda d: d["step_curves"]["M/bf16"].update(points=[]), "step_curves.M/bf16.points"),
+    (lambda d: d["step_curves"]["M/bf16"].update(dtype="int4"), "step_curves.M/bf16.dtype"),
+    (lambda d: d["step_curves"]["M/bf16"].pop("model"), "step_curves.M/bf16.model"),
+], ids=["no-tokens", "depth-text", "parent-ahead", "ranks-short", "chain-negative", "shape", "zero-rate",
+        "batch-key", "acceptance", "budget-provenance", "no-lm-head", "batch-0", "tokens", "negative-step",
+        "serial-text", "no-points", "dtype", "no-model"])
+def test_budgets_and_step_curves_are_validated_naming_file_and_field(tmp_path, mutate, field):
+    path = tmp_path / "gpu.yaml"
+    data = _with_budget_and_step_curve(path)
+    assert set(database.load(path)["budgets"]["M/bf16"]["batches"]) == {1, 4}
+    mutate(data)
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(DatabaseError) as info:
+        database.load(path)
+    assert str(path) in str(info.value) and field in str(info.value), str(info.value)
+
+
+def test_budget_batches_keyed_by_strings_load(tmp_path):
+    """JSON round trips turn batch keys into strings: those are read as the batch sizes they name."""
+    path = tmp_path / "gpu.yaml"
+    data = _with_budget_and_step_curve(path)
+    data["budgets"]["M/bf16"]["batches"] = {str(b): e for b, e in data["budgets"]["M/bf16"]["batches"].items()}
+    path.write_text(yaml.safe_dump(data))
+    assert set(database.load(path)["budgets"]["M/bf16"]["batches"]) == {"1", "4"}
+
+
+def test_the_shipped_database_loads():
+    data = database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")
+    assert len(data["configs"]) == 108 and data["budgets"] and data["step_curves"]

@@ -6,6 +6,7 @@ import torch
 from bole_tune import TreeBatch
 from bole_tune.gdn_layer import GDNLayerParams, GDNStepResult, gdn_tree_commit, gdn_tree_step
 from bole_tune.kernels import gdn_gates, tree_conv, tree_conv_commit
+from bole_tune.shapes import HeadShape
 from bole_tune.kernels.reference import tree_conv_commit_reference, tree_conv_reference
 from bole_tune.workloads import make_tree, relative_error
 from conftest import requires_gpu
@@ -101,7 +102,8 @@ def test_bad_inputs_are_refused(call, error, message):
 
 def test_layer_step_rejects_wrong_projection_width():
     tree = make_tree([3], device="cpu")
-    params = GDNLayerParams(torch.zeros(8 * 3, 4), torch.zeros(2), torch.zeros(2), hk=1, hv=2, dk=4, dv=8)
+    params = GDNLayerParams(torch.zeros(8 * 3, 4), torch.zeros(2), torch.zeros(2),
+                            heads=HeadShape(hk=1, hv=2, dk=4, dv=8))
     with pytest.raises(ValueError, match=r"mixed_qkv: expected shape \[N, 24\]"):
         gdn_tree_step(torch.zeros(3, 20), torch.zeros(3, 2), torch.zeros(3, 2), params, torch.zeros(1, 2, 8, 4),
                       torch.zeros(1, 24, 3), torch.zeros(1, dtype=torch.int32), tree)

@@ -2,6 +2,7 @@
 tuning_db/, and the H200 exhaustive recording behind the README's tuner claim."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -163,3 +164,32 @@ def test_a_bucket_missing_from_the_recording_is_an_error(tmp_path):
         ReplayRunner(path).measure(key_from_text(second), KernelConfig(64, 32, 4, 2))
     assert path.name in str(raised.value)
     assert ReplayRunner(path).measure(key_from_text(first), KernelConfig(64, 32, 4, 2)).status == "ok"
+
+
+def test_a_regular_install_finds_its_code_and_its_data(tmp_path):
+    """A non-editable install (what `pip install bole-tune` gives) imports the library, not the YAML data
+    folder, under `bole_tune.profiles`, and finds the shipped profiles, search space and database."""
+    import shutil
+    import subprocess
+    import sys
+
+    source, target = tmp_path / "src", tmp_path / "site"  # a copy: a build writes into its source folder
+    for name in ("bole_tune", "kernels", "profiles", "tuning_db"):
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("cli.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                            str(source)], capture_output=True, text=True, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-2000:]
+    code = ("from bole_tune.profiles import load_model, DEFAULT_MODELS; from bole_tune.search_space import SearchSpace; "
+            "from bole_tune import database; from bole_tune.acceptance import list_acceptance_models; "
+            "import bole_tune.kernels, bole_tune.cli; "
+            "assert database.SHIPPED_DIR.is_relative_to(%r), database.SHIPPED_DIR; "
+            "print(load_model('qwen3.5-9b').name, len(SearchSpace.load().configs()), "
+            "len(database.load(database.SHIPPED_DIR / 'nvidia-h200.yaml')['configs']) > 0, "
+            "len(list_acceptance_models()) > 0)" % str(target))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**env, "PYTHONPATH": str(target)})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == ["Qwen3.5-9B", "108", "True", "True"], ran.stdout

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from bole_tune import KernelConfig, TreeBatch
-from bole_tune.kernels import serial_verify, tree_commit, tree_verify
+from bole_tune.kernels import Launch, serial_verify, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
-from bole_tune.kernels.tree_verify import RESIDENT_MIN_HEADS, RESIDENT_MIN_HEADS_LARGE_TREES, pick_variant
+from bole_tune.kernels.verify.planner import H200_POLICY
+from bole_tune.kernels.verify.result import VerifyShape, result_buffers
+from bole_tune.shapes import HeadShape
 from bole_tune.workloads import make_inputs, make_tree, tree_parents
 from conftest import requires_gpu
 from helpers import TOLERANCE, assert_close, poisoned_out
@@ -93,50 +95,46 @@ def test_tree_verify_matches_reference(device, case, variant):
 def test_variant_choice():
     """The resident kernel from 512 (request bucket x head) pairs up, from 256 for trees of more than
     32 nodes, and only for trees of at most 64 nodes."""
-    assert (RESIDENT_MIN_HEADS, RESIDENT_MIN_HEADS_LARGE_TREES) == (512, 256)
-    assert pick_variant(16, 32, 64) == "resident"
-    assert pick_variant(12, 32, 64) == "resident"  # batch bucket 16: the bucket's tuned config is for it
-    assert pick_variant(8, 32, 64) == "resident"
-    assert pick_variant(8, 32, 33) == "resident"
-    assert pick_variant(8, 32, 32) == "fused"
-    assert pick_variant(4, 32, 64) == "fused"
-    assert pick_variant(16, 32, 65) == "fused"
-    assert pick_variant(8, 64, 8) == "resident"
-    assert pick_variant(1, 32, 64) == "fused"
-    assert pick_variant(100, 32, 1) == "resident"
+    pick = H200_POLICY.variant
+    assert (H200_POLICY.resident_min_heads, H200_POLICY.resident_min_heads_large_trees) == (512, 256)
+    assert pick(16, 32, 64) == "resident"
+    assert pick(12, 32, 64) == "resident"  # batch bucket 16: the bucket's tuned config is for it
+    assert pick(8, 32, 64) == "resident"
+    assert pick(8, 32, 33) == "resident"
+    assert pick(8, 32, 32) == "fused"
+    assert pick(4, 32, 64) == "fused"
+    assert pick(16, 32, 65) == "fused"
+    assert pick(8, 64, 8) == "resident"
+    assert pick(1, 32, 64) == "fused"
+    assert pick(100, 32, 1) == "resident"
 
 
 def test_resident_split():
     """A head's value rows go to more programs at small batches, never below one b_v tile per part."""
-    from bole_tune.kernels.tree_verify_resident import resident_split
-
-    assert resident_split(16, 32, 128, 64) == 1  # 512 programs already
-    assert resident_split(4, 32, 128, 32) == 1  # 128
-    assert resident_split(2, 32, 128, 32) == 2
-    assert resident_split(1, 32, 128, 64) == 2  # capped by dv / b_v
-    assert resident_split(1, 32, 128, 16) == 4
-    assert resident_split(1, 8, 128, 16) == 8
-    assert resident_split(32, 64, 128, 16) == 1
+    split = H200_POLICY.value_split
+    assert split(16, 32, 128, 64) == 1  # 512 programs already
+    assert split(4, 32, 128, 32) == 1  # 128
+    assert split(2, 32, 128, 32) == 2
+    assert split(1, 32, 128, 64) == 2  # capped by dv / b_v
+    assert split(1, 32, 128, 16) == 4
+    assert split(1, 8, 128, 16) == 8
+    assert split(32, 64, 128, 16) == 1
+    assert split(3, 32, 128, 32) == split(4, 32, 128, 32)  # decided on the batch bucket
 
 
 @pytest.mark.parametrize("v_split", [1, 2, 4])
 def test_resident_value_split_matches_reference(device, v_split):
     """Every split of a head's value rows over programs writes every output row, and only once each."""
-    import sys
-
-    from bole_tune.kernels.common import VerifyShape, result_buffers
-
-    tv = sys.modules["bole_tune.kernels.tree_verify"]
     tree = make_tree([13, 1, 20], "random", seed=21, device=device)
     x = make_inputs(tree, 2, 4, 32, 64, torch.float32, device, seed=21)
     ref = verify_reference(*x.args(tree))
-    shape = VerifyShape(tree.num_nodes, 3, x.state.shape[0], 2, 4, 32, 64, 32 ** -0.5)
+    shape = VerifyShape(heads=HeadShape(hk=2, hv=4, dk=32, dv=64), num_nodes=tree.num_nodes, num_requests=3,
+                        num_slots=x.state.shape[0], scale=32 ** -0.5)
     res = result_buffers(shape, torch.float32, torch.device(device), tree, None)
     for buf in (res.o, res.u, res.log_decay, res.k, res.k_scale):
         buf.fill_(float("nan"))
-    strides = (x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1), x.v.stride(0), x.v.stride(1))
-    tv._launch("resident", x.q, x.k, x.v, x.g, x.beta, x.state, x.state_indices, tree, shape, res,
-               KernelConfig(16, 16, 4, 1), True, strides, v_split)
+    launch = Launch("resident", KernelConfig(16, 16, 4, 1), node_block=32, v_split=v_split)
+    tree_verify(*x.args(tree), out=res, launch=launch)
     assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
     for name in ("u", "log_decay", "k", "k_scale"):
         assert torch.isfinite(getattr(res, name)).all(), f"{name} has unwritten entries at v_split={v_split}"
@@ -320,9 +318,8 @@ def test_correlated_keys_stay_accurate(device, dtype, variant):
 
 
 def test_fp16_sweeps_are_taken_where_they_stay_in_range():
-    from bole_tune.kernels.common import SWEEP_F16_MAX_DEPTH, sweep_f16
-
-    assert SWEEP_F16_MAX_DEPTH == 12
+    sweep_f16 = H200_POLICY.sweep_f16
+    assert H200_POLICY.sweep_f16_max_depth == 12
     assert sweep_f16(BF16, True, 12, 0.09) and sweep_f16(F16, True, 8, 1.0)
     assert not sweep_f16(BF16, True, 13, 0.09)  # partial sums past 2^11 on deeper trees
     assert not sweep_f16(BF16, False, 8, 0.09)  # raw keys: G is not bounded by 1
@@ -364,10 +361,10 @@ def test_bf16_state_products_keep_sixteen_bits(device):
     U shows the state products' rounding: with the lo part dropped (8 bits of S_pre) U is off by about
     1.8e-3 here. The interpreter computes tf32 as fp32, so on the CPU that rounding is
     all there is (bound 1e-4); on a GPU the tf32 solve adds its own (bound 2e-3, as for tf32 alone)."""
-    from bole_tune.kernels.common import state_split
     from bole_tune.kernels.reference import verify_closed_form
     from bole_tune.workloads import predicted_values, relative_error
 
+    state_split = H200_POLICY.state_split
     assert state_split(BF16, 64) and not state_split(BF16, 32) and not state_split(F16, 64) and not state_split(F32, 64)
     tree = make_tree([20, 33], max_depth=8, seed=4, device=device)
     x = make_inputs(tree, 1, 2, 64, 64, BF16, device, seed=4)
@@ -380,39 +377,10 @@ def test_bf16_state_products_keep_sixteen_bits(device):
 
 def test_resident_self_check_passes_a_good_config(device):
     """The check the GPU runs once per compiled resident config: here on the interpreter, where it must pass."""
-    from bole_tune.kernels.common import VerifyShape
-    from bole_tune.kernels.tree_verify import check_resident
+    from bole_tune.kernels.verify.self_check import check_resident
 
-    shape = VerifyShape(0, 1, 1, 1, 2, 32, 32, 32 ** -0.5)
-    error, tolerance = check_resident(KernelConfig(16, 16, 4, 1), 16, shape, BF16, torch.float32, True,
-                                      torch.device(device))
-    assert error <= tolerance, (error, tolerance)
-
-
-def test_resident_falls_back_to_fused_for_a_failing_config(device, monkeypatch):
-    """A config whose self-check fails runs on the fused kernel (right answer, one warning per config)."""
-    import sys
-
-    tv = sys.modules["bole_tune.kernels.tree_verify"]  # the package re-exports the function under this name
-    calls = []
-    monkeypatch.setattr(tv, "check_resident", lambda *args: calls.append(args) or (1.4e-2, 5e-3))
-    monkeypatch.setattr(tv, "_RESIDENT_CHECKS", {})
-    launched = []
-    monkeypatch.setattr(tv, "_launch", lambda variant, *a, _f=tv._launch: launched.append(variant) or _f(variant, *a))
-    original = tv.resident_config_ok
-
-    def as_on_a_gpu(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm, dev, v_split, **kw):
-        return original(config, b_t, shape, q_dtype, gate_dtype, use_qk_l2norm,
-                        torch.device("cuda", 0) if dev.type == "cpu" else dev, v_split, **kw)
-
-    monkeypatch.setattr(tv, "resident_config_ok", as_on_a_gpu)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
-    tree = make_tree([20, 9], "random", seed=13, device=device)
-    x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=13)
-    ref = verify_reference(*x.args(tree))
-    with pytest.warns(UserWarning, match="computes wrongly with .* running the fused kernel"):
-        res = tree_verify(*x.args(tree), config=KernelConfig(16, 16, 4, 1), variant="resident")
-    assert_close(res.o, ref.o, TOLERANCE[BF16], "o")
-    res = tree_verify(*x.args(tree), config=KernelConfig(16, 16, 4, 1), variant="resident")
-    assert launched == ["fused", "fused"] and len(calls) == 1, (launched, calls)
+    for deep in (False, True):
+        launch = Launch("resident", KernelConfig(16, 16, 4, 1), node_block=16, sweep_f16=not deep)
+        error, tolerance = check_resident(launch, HeadShape(hk=1, hv=2, dk=32, dv=32), BF16, torch.float32,
+                                          32 ** -0.5, True, torch.device(device), deep)
+        assert error <= tolerance, (deep, error, tolerance)

@@ -8,12 +8,12 @@ import optuna
 import pytest
 
 from bole_tune.config import KernelConfig
-from bole_tune.database import ShapeKey
-from bole_tune.runners import DeviceLost, Measurement, RecordingRunner, ReplayRunner, config_text
+from bole_tune.runners import DeviceLost, Measurement, RecordingRunner, ReplayRunner
 from bole_tune.search_space import SearchSpace, feasible
 from bole_tune.tuner import exhaustive_bucket, polish_trials, step_neighbours, tune_bucket
+from test_database import shape_key
 
-KEY = ShapeKey(32, 16, 128, 128, "bf16", 64, 16)
+KEY = shape_key()
 SPACE = SearchSpace.load()
 
 
@@ -26,7 +26,7 @@ def synthetic_cost(c: KernelConfig) -> float:
 def write_recording(path, wrong=(), infeasible=(), key=KEY):
     measurements = {}
     for c in SPACE.configs():
-        text = config_text(c)
+        text = c.text
         if text in wrong:
             m = Measurement("wrong", rel_error=0.5, message="relative error 5e-1")
         elif text in infeasible:
@@ -70,10 +70,10 @@ def test_polish_phase_walks_from_the_samplers_best_to_its_best_neighbour(tmp_pat
 
     class Logged(ReplayRunner):
         def measure(self, key, config):
-            measured_texts.append(config_text(config))
+            measured_texts.append(config.text)
             return super().measure(key, config)
 
-    fused_key = ShapeKey(32, 16, 128, 128, "bf16", 128, 16)  # no kernel-specific starting configs
+    fused_key = shape_key(tree=128)  # no kernel-specific starting configs
     runner = Logged(write_recording(tmp_path / "rec.json", key=fused_key))
     default = KernelConfig(64, 32, 4, 2)
     with warnings.catch_warnings():  # PartialFixedSampler is marked experimental
@@ -84,14 +84,14 @@ def test_polish_phase_walks_from_the_samplers_best_to_its_best_neighbour(tmp_pat
     neighbours = [c for c in step_neighbours(default, SPACE) if feasible(c, 128, 128, 128, "bf16")[0]]
     # the default, then its 7 neighbours, then the walk goes on from the best of them with what is left
     assert result.counts["measured"] == 1 + polish_trials(32) == 9
-    assert {config_text(c) for c in neighbours} <= set(measured_texts)
+    assert {c.text for c in neighbours} <= set(measured_texts)
     assert synthetic_cost(result.best) <= min(synthetic_cost(c) for c in neighbours) < synthetic_cost(default)
 
 
 def test_wrong_and_infeasible_configs_are_never_chosen(tmp_path):
     best = KernelConfig(64, 128, 8, 2)
-    runner = ReplayRunner(write_recording(tmp_path / "rec.json", wrong={config_text(best)},
-                                          infeasible={config_text(KernelConfig(32, 128, 8, 2))}))
+    runner = ReplayRunner(write_recording(tmp_path / "rec.json", wrong={best.text},
+                                          infeasible={KernelConfig(32, 128, 8, 2).text}))
     result = tune_bucket(runner, KEY, SPACE, storage(tmp_path), 30, "replay-gpu",
                          warm_start=[best, KernelConfig(32, 128, 8, 2)])
     assert result.best not in (best, KernelConfig(32, 128, 8, 2))
@@ -170,8 +170,8 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
     """A bucket that runs on the resident kernel seeds its study with that kernel's lab-best tiles."""
     from bole_tune.tuner import RESIDENT_STARTS, kernel_starts
 
-    resident = ShapeKey(32, 16, 128, 128, "bf16", 64, 16, 1)
-    fused = ShapeKey(32, 16, 128, 128, "bf16", 128, 16, 1)
+    resident = shape_key()
+    fused = shape_key(tree=128)
     assert kernel_starts(resident) == list(RESIDENT_STARTS) and kernel_starts(fused) == []
     measured = []
 
@@ -188,11 +188,14 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
 def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeypatch):
     """tree_verify runs such a config on the fused kernel; the tuner must not record it as a resident one."""
     from bole_tune.bench import CaseBench
+    from bole_tune.kernels import Launch
     from bole_tune.runners import GPURunner
 
-    key = ShapeKey(2, 1, 32, 32, "fp32", 8, 1)
+    key = shape_key(hv=2, hk=1, dk=32, dv=32, dtype="fp32", tree=8, batch=1)
     runner = GPURunner("cpu", repeats=1)
-    assert runner.bench(key).resident_check(KernelConfig(16, 16, 4, 1)) is None  # CPU: no compiled binary
-    monkeypatch.setattr(CaseBench, "resident_check", lambda self, config=None: (1.3e-2, 5e-3))
+    assert not runner.bench(key).launch(KernelConfig(16, 16, 4, 1)).fallback  # CPU: no compiled binary to check
+    failed = Launch("fused", KernelConfig(16, 16, 4, 1), 16, fallback_error=1.3e-2,
+                    fallback="the resident kernel's self-check: relative error 1.30e-02")
+    monkeypatch.setattr(CaseBench, "launch", lambda self, config=None, variant=None, tuned_on=None: failed)
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "wrong" and m.rel_error == 1.3e-2 and "self-check" in m.message, m

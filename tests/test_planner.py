@@ -1,0 +1,150 @@
+"""The launch planner: one decision of what a launch runs, its injectable config source and self-check,
+and the kernels package as a leaf that imports nothing of the tuning layers."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bole_tune import KernelConfig
+from bole_tune.kernels import PLANNER, Launch, Planner, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.verify.planner import H200_POLICY
+from bole_tune.shapes import HeadShape
+from bole_tune.workloads import make_inputs, make_tree
+from helpers import TOLERANCE, assert_close
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEADS = HeadShape(hk=1, hv=2, dk=32, dv=32)
+BF16 = torch.bfloat16
+GPU = torch.device("cuda", 0)  # a device object only: nothing runs on it in these tests
+CONFIG = KernelConfig(16, 16, 4, 1)
+
+
+def test_kernels_import_nothing_of_the_tuning_layers():
+    """`import bole_tune.kernels` loads neither the database nor yaml/filelock, and no kernels module names
+    a tuning, database or measurement module."""
+    out = subprocess.run([sys.executable, "-c", "import bole_tune.kernels, sys; "
+                          "print([m for m in ('bole_tune.database', 'bole_tune.lookup', 'bole_tune.bench', "
+                          "'bole_tune.tuner', 'yaml', 'filelock', 'optuna') if m in sys.modules])"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    upper = {"database", "lookup", "bench", "tuner", "profiler", "runners", "precompile", "workers", "budget",
+             "step_latency", "timing", "fingerprint", "cli", "report", "validate", "gdn_layer"}
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                assert not (parts[0] == "bole_tune" and len(parts) > 1 and parts[1] in upper), (path, name)
+
+
+def plan(planner=PLANNER, **kwargs):
+    args = dict(num_requests=2, max_tree_size=20, depth=5, device="cpu")
+    args.update(kwargs)
+    return planner.plan(HEADS, BF16, **args)
+
+
+def test_plan_decides_the_whole_launch():
+    fused = plan(config=CONFIG, variant="fused")
+    assert fused == Launch("fused", CONFIG, node_block=32)
+    resident = plan(config=CONFIG, variant="resident", max_tree_size=40)
+    assert (resident.variant, resident.node_block, resident.state_split, resident.sweep_f16) == ("resident", 64, True,
+                                                                                                  True)
+    assert resident.v_split == H200_POLICY.value_split(2, HEADS.hv, HEADS.dv, CONFIG.b_v) == 2
+    assert not plan(config=CONFIG, variant="resident", depth=13).sweep_f16  # deeper than the fp16 sweeps allow
+    assert plan(config=None).config == KernelConfig(32, 32, 4, 2)  # off the GPU: the default, no database
+
+
+def test_plan_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="variant: expected one of"):
+        plan(variant="fast")
+    with pytest.raises(ValueError, match="'resident' takes trees of at most 64"):
+        plan(variant="resident", max_tree_size=65)
+    with pytest.raises(ValueError, match="v_split: expected a power of two"):
+        plan(config=CONFIG, v_split=3)
+    with pytest.raises(ValueError, match="v_split: expected a power of two with v_split \\* b_v <= dv"):
+        plan(config=CONFIG, v_split=4)
+    with pytest.raises(TypeError, match="config: expected a KernelConfig"):
+        plan(config=(16, 16, 4, 1))
+    with pytest.raises(ValueError, match="config: tiles"):
+        plan(config=KernelConfig(64, 16, 4, 1))
+
+
+def test_config_source_is_injected_and_its_tuned_variant_followed():
+    asked = []
+
+    def source(heads, dtype, max_tree_size, num_requests, device):
+        asked.append((heads, dtype, max_tree_size, num_requests))
+        return KernelConfig(32, 16, 2, 3), "resident"
+
+    planner = Planner(config_source=source)
+    launch = plan(planner, device=GPU)
+    assert asked == [(HEADS, BF16, 20, 2)]
+    assert (launch.variant, launch.config) == ("resident", KernelConfig(32, 16, 2, 3))
+    # a config tuned on the resident kernel serves a bucket of larger trees on the fused kernel
+    assert plan(planner, device=GPU, max_tree_size=65).variant == "fused"
+    assert plan(planner, device=GPU, variant="fused").variant == "fused"
+
+
+def test_self_check_runs_once_per_specialisation_and_failures_run_fused(monkeypatch):
+    calls = []
+
+    def self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device, deep):
+        calls.append((launch.config, deep))
+        return (1.4e-2, 5e-3) if launch.config == CONFIG else (2e-3, 5e-3)
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    planner = Planner(self_check=self_check)
+    with pytest.warns(UserWarning, match="computes wrongly with .* running the fused kernel"):
+        bad = plan(planner, config=CONFIG, variant="resident", device=GPU)
+    assert (bad.variant, bad.fallback_error) == ("fused", 1.4e-2) and "self-check" in bad.fallback
+    assert plan(planner, config=CONFIG, variant="resident", device=GPU) == bad  # cached: no second check
+    good = plan(planner, config=KernelConfig(32, 16, 4, 1), variant="resident", device=GPU)
+    assert good.variant == "resident" and not good.fallback
+    with pytest.warns(UserWarning, match="computes wrongly"):
+        plan(planner, config=CONFIG, variant="resident", device=GPU, depth=13)  # another specialisation
+    assert calls == [(CONFIG, False), (KernelConfig(32, 16, 4, 1), False), (CONFIG, True)]
+    assert plan(planner, config=CONFIG, variant="resident", device="cpu").variant == "resident"  # no check on CPU
+
+
+def test_no_check_inside_a_graph_capture_runs_fused_unchecked(monkeypatch):
+    calls = []
+    planner = Planner(self_check=lambda *a: calls.append(a) or (0.0, 1.0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launch = plan(planner, config=CONFIG, variant="resident", device=GPU)
+    assert launch.variant == "fused" and "capture" in launch.fallback and not calls and not planner.checks
+
+
+def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
+    tree = make_tree([20, 9], "random", seed=13, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=13)
+    ref = verify_reference(*x.args(tree))
+    launch = PLANNER.plan(HEADS, BF16, num_requests=2, max_tree_size=20, depth=tree.depth, device=device,
+                          config=CONFIG, variant="resident")
+    for changed in (launch, launch.replace(sweep_f16=False), launch.replace(v_split=2)):
+        assert_close(tree_verify(*x.args(tree), launch=changed).o, ref.o, TOLERANCE[BF16], f"o with {changed}")
+    refusals = [
+        (launch.replace(node_block=64), "launch.node_block"),
+        (Launch("fused", CONFIG, 32, v_split=2), "the fused kernel has no value split"),
+        (launch.replace(v_split=4), "launch.v_split"),
+        (launch.replace(config=KernelConfig(64, 16, 4, 1)), "launch.config"),
+        ("resident", "launch: expected a Launch"),
+    ]
+    for bad, message in refusals:
+        with pytest.raises((ValueError, TypeError), match=message):
+            tree_verify(*x.args(tree), launch=bad)
+    with pytest.raises(ValueError, match="either a launch or config"):
+        tree_verify(*x.args(tree), launch=launch, config=CONFIG)
+    deep = make_tree([14], "chain", device=device)
+    y = make_inputs(deep, 1, 2, 32, 32, BF16, device)
+    with pytest.raises(ValueError, match="launch.sweep_f16"):
+        tree_verify(*y.args(deep), launch=launch.replace(node_block=16, v_split=1))
