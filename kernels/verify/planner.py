@@ -156,15 +156,16 @@ class Planner:
 
     def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
-             scale: float | None = None, use_qk_l2norm: bool = True, gate_dtype: torch.dtype = torch.float32,
+             tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True, gate_dtype: torch.dtype = torch.float32,
              check: bool = True) -> Launch:
         """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
-        config: None takes the tuned one (on a GPU; the default elsewhere), and then, with ``variant=None``,
-            the kernel it was tuned on. variant: force "fused" or "resident". v_split: force the resident
-            kernel's value split (a power of two with ``v_split * b_v <= dv``). check: run the resident
-            self-check (a launch that fails it comes back on the fused kernel with ``fallback`` set).
+        config: None takes the tuned one (on a GPU; the default elsewhere) and the kernel it was tuned on.
+        variant: force "fused" or "resident". tuned_on: the kernel a given ``config`` was tuned on, followed
+            (without a forced variant) where that kernel takes the batch. v_split: force the resident kernel's
+            value split (a power of two with ``v_split * b_v <= dv``). check: run the resident self-check (a
+            launch that fails it comes back on the fused kernel with ``fallback`` set).
         """
         device = torch.device(device)
         if variant is not None and variant not in VARIANTS:
@@ -177,11 +178,10 @@ class Planner:
         if config is None:
             if device.type == "cuda":
                 config, tuned_on = self.config_source(heads, dtype, max_tree_size, num_requests, device)
-                if variant is None and tuned_on in VARIANTS and (tuned_on == "fused"
-                                                                 or max_tree_size <= RESIDENT_MAX_NODES):
-                    variant = tuned_on
             else:
                 config = default_config(heads.dk, heads.dv)
+        if variant is None and tuned_on in VARIANTS and (tuned_on == "fused" or max_tree_size <= RESIDENT_MAX_NODES):
+            variant = tuned_on
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
         if not config.fits(heads.dk, heads.dv):
