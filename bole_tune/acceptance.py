@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from bole_tune.atomic import write_text_atomic
 from bole_tune.profiles import PROFILES_DIR, Fields, ProfileError, read_yaml
 
 
@@ -84,8 +85,6 @@ def load_acceptance(name_or_path: str) -> AcceptanceModel:
 
 
 def save_acceptance(model: AcceptanceModel, path, comment: str = "") -> None:
-    from bole_tune.atomic import write_text_atomic
-
     header = "".join(f"# {line}\n" for line in comment.splitlines())
     write_text_atomic(path, header + yaml.safe_dump(model.as_dict(), sort_keys=False, default_flow_style=None))
 

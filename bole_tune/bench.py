@@ -15,7 +15,9 @@ import platform
 from dataclasses import dataclass
 
 import torch
+import triton
 
+from bole_tune import __version__
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import PLANNER, Launch, serial_verify, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
@@ -60,10 +62,6 @@ class BenchCase:
 
 def environment() -> dict:
     """Versions and device of this process, for provenance."""
-    import triton
-
-    from bole_tune import __version__
-
     env = {"torch": str(torch.__version__), "triton": str(triton.__version__), "bole_tune": __version__,
            "python": platform.python_version(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}

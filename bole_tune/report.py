@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bole_tune.acceptance import AcceptanceModel
+from bole_tune.budget import StepCurve, plan_budgets
+
 NEAR_FREE = 1.10  # a step within 10% of plain decoding's counts as near free
 
 
@@ -48,9 +51,6 @@ def _finish(ax, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> N
 
 
 def write_report(data: dict, out) -> list[Path]:
-    from bole_tune.acceptance import AcceptanceModel
-    from bole_tune.budget import StepCurve, plan_budgets
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     curves = data.get("step_curves", {})

@@ -12,6 +12,7 @@ with their reason as pruned trials, which the sampler ranks below every working 
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -294,8 +295,6 @@ def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
 
 def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
     """Best configs of already tuned buckets next to ``key`` (same heads, one bucket step away)."""
-    import math
-
     found = []
     for other_text, (other, config) in tuned.items():
         if (other.heads, other.dtype, other.tp) != (key.heads, key.dtype, key.tp) or other == key:
