@@ -4,18 +4,24 @@ One GDN layer, one full-attention layer (each with its FFN, dense or mixture of 
 head are built at the model's real shapes with random bf16 weights and timed, each as one CUDA
 graph, for N verified tokens at batch B (every request a tree of N / B nodes):
 
-- GDN layer: input projections (q, k, v, z and the b, a gates), SiLU, tree_verify with the tuned config
-  (or serial_verify, to show what it costs), gated RMS norm, output projection, FFN;
-- attention layer: q (with its output gate), k, v projections, attention of each request's nodes over a
-  KV context of ``context`` tokens plus the tree's ancestors (tree mask), output projection, FFN; the
-  masked attention is timed through two PyTorch formulations and the faster counts (see
-  `StepModel.attention_layer`), since PyTorch has no tree-attention kernel of its own;
+- GDN layer, the round an engine pays per layer: input projections, the tree-parallel short convolution
+  and the gates (`gdn_tree_step`: conv, gates, `tree_verify` with the tuned configs), gated RMS norm,
+  output projection and FFN, then the commit of each request's deepest node (`gdn_tree_commit`: the
+  recurrent and the conv state). With ``serial`` the same layer through `serial_verify` and a copy of one
+  state per request (what a snapshot engine's commit costs) is timed beside it;
+- attention layer: q (with its output gate), k, v projections, attention of each request's tree tokens
+  over a KV context of ``context`` tokens and over their own tree ancestors, as engines run it
+  (`bole_tune.tree_attention`: the exact prefix/tree split merged by log-sum-exp, or FlexAttention;
+  each requested method is timed and the fastest counts, named per point as ``attention_kernel``),
+  output projection, FFN;
 - MoE FFN: router, then the experts N tokens with top-k routing touch (expected count under uniform
   routing) as one batched product over exactly those experts' weights, plus the shared expert;
 - LM head over the N tokens.
 
 The step is ``gdn_layers * gdn + attention_layers * attention + lm_head``: the model is never held
-whole, so every model fits one GPU; the database records this method.
+whole, so every model fits one GPU; the database records this method. Tree size 1 is plain decoding.
+The drafter's cost is read off the same points (an MTP draft step is one decoder layer and the LM head
+over the tokens it drafts: ``attention_us`` and ``lm_head_us`` at that many tokens per request).
 """
 
 from __future__ import annotations
@@ -29,29 +35,34 @@ import torch.nn.functional as F
 
 from bole_tune import database
 from bole_tune.fingerprint import fingerprint
-from bole_tune.kernels import serial_verify, tree_verify
+from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
+from bole_tune.kernels import gdn_gates, serial_verify, tree_conv
 from bole_tune.profiler import provenance
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
+from bole_tune.tree_attention import METHODS as ATTENTION_METHODS
+from bole_tune.tree_attention import flex_block_mask, tree_attention
 from bole_tune.workloads import make_inputs, make_tree
 
-METHOD = ("one GDN layer, one attention layer (each with its FFN; the faster of two masked-attention calls) and "
-          "the LM head, each a CUDA graph timed with events (median of replays); "
+METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs, commit), one attention layer "
+          "(tree attention as engines run it: the fastest of the methods timed) each with its FFN, and the LM "
+          "head, each a CUDA graph timed with events (median of replays); "
           "step = gdn_layers x GDN + attention_layers x attention + LM head")
-ATTENTION_VARIANTS = ("gqa", "grouped")
+SERIAL_MAX_TREE = 64  # serial_verify's snapshots make larger trees slow to time and say nothing new
 
 
 @dataclass(frozen=True)
 class StepPoint:
     batch: int
     tree_size: int  # nodes per request (1 = no speculation)
-    gdn_us: float
+    gdn_us: float  # one GDN layer's round: verify and commit
     gdn_serial_us: float | None
     attention_us: float
     lm_head_us: float
     step_us: float
     step_serial_us: float | None
-    attention_variants_us: dict | None = None
+    attention_kernel: str = ""
+    attention_methods_us: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -60,12 +71,14 @@ class StepPoint:
     def as_dict(self) -> dict:
         d = {"batch": self.batch, "tree_size": self.tree_size, "tokens": self.tokens,
              "gdn_us": round(self.gdn_us, 2), "attention_us": round(self.attention_us, 2),
-             "lm_head_us": round(self.lm_head_us, 2), "step_us": round(self.step_us, 2)}
+             "lm_head_us": round(self.lm_head_us, 2), "step_us": round(self.step_us, 2),
+             "attention_kernel": self.attention_kernel}
         if self.gdn_serial_us is not None:
             d["gdn_serial_us"] = round(self.gdn_serial_us, 2)
             d["step_serial_us"] = round(self.step_serial_us, 2)
-        if self.attention_variants_us:
-            d["attention_variants_us"] = {k: round(v, 2) for k, v in self.attention_variants_us.items()}
+        if self.attention_methods_us:  # each method timed: its p50, or why it could not run
+            d["attention_methods_us"] = {k: round(v, 2) if isinstance(v, float) else v
+                                         for k, v in self.attention_methods_us.items()}
         return d
 
 
@@ -135,75 +148,75 @@ class StepModel:
                  max_depth: int = 8):
         self.model, self.wt, self.device = model, weights, torch.device(device)
         self.heads = h = model.gdn
-        hk, hv, dk, dv = h.hk, h.hv, h.dk, h.dv
         self.tree = make_tree([tree_size] * batch, max_depth=max_depth, seed=1, device=device)
         n = self.tree.num_nodes
         g = torch.Generator(device=device).manual_seed(2)
         self.x = torch.randn(n, model.hidden_size, generator=g, device=device, dtype=torch.bfloat16)
-        self.state = make_inputs(self.tree, hk, hv, dk, dv, torch.bfloat16, device, num_slots=batch).state
+        self.params = GDNLayerParams(
+            conv_weight=torch.randn(2 * h.hk * h.dk + h.hv * h.dv, model.conv_width, generator=g, device=device,
+                                    dtype=torch.bfloat16) * 0.5,
+            a_log=torch.rand(h.hv, generator=g, device=device) * 2, dt_bias=torch.randn(h.hv, generator=g, device=device),
+            heads=h)
+        self.state = make_inputs(self.tree, h.hk, h.hv, h.dk, h.dv, torch.bfloat16, device, num_slots=batch).state
+        self.snapshot = self.state.clone()  # the serial engine's commit copies one snapshot per request
+        self.conv_state = torch.randn(batch, self.params.channels, model.conv_width - 1, generator=g, device=device,
+                                      dtype=torch.bfloat16)
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        depths, offsets = self.tree.node_depth.tolist(), self.tree.offsets.tolist()
+        self.accepted = torch.tensor([max(range(tree_size), key=lambda i: depths[offsets[r] + i]) for r in range(batch)],
+                                     dtype=torch.int32, device=device)  # the deepest node: the longest commit
         a = model.attention
         self.k_cache = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=g, device=device,
                                    dtype=torch.bfloat16)
         self.v_cache = torch.randn_like(self.k_cache)
-        self.mask = self._attention_mask(batch, tree_size, context)
-        group = a.num_heads // a.num_kv_heads
-        # additive mask, rows repeated for the grouped query heads: [B, 1, group * T, context + T]
-        self.grouped_mask = torch.zeros(self.mask.shape, dtype=torch.bfloat16, device=device).masked_fill(
-            ~self.mask, float("-inf")).repeat(1, 1, group, 1)
+        self.tree_mask = torch.stack([self.tree.ancestor_mask(r, self.device) for r in range(batch)])  # [B, T, T]
+        self._block_mask = None
 
-    def _attention_mask(self, batch, size, context):
-        masks = [self.tree.ancestor_mask(r, self.device) for r in range(batch)]
-        tree_part = torch.stack(masks)  # [B, T, T]
-        full = torch.ones(batch, size, context + size, dtype=torch.bool, device=self.device)
-        full[:, :, context:] = tree_part
-        return full[:, None]  # [B, 1, T, context + T]
-
-    def gdn_layer(self, verify) -> torch.Tensor:
-        hk, hv, dk, dv = self.heads.hk, self.heads.hv, self.heads.dk, self.heads.dv
-        n = self.x.shape[0]
+    def gdn_layer(self, verify: str = "bole") -> torch.Tensor:
+        """One GDN layer's round: ``verify`` "bole" (the tree step and its commit) or "serial"."""
+        h, n = self.heads, self.x.shape[0]
+        channels = self.params.channels
         x = _rms(self.x)
-        proj = F.silu(x @ self.wt.gdn_in)
-        q, k, v, z = torch.split(proj, [hk * dk, hk * dk, hv * dv, hv * dv], dim=-1)
+        proj = x @ self.wt.gdn_in
+        mixed, z = proj[:, :channels], proj[:, channels:]
         b, a = (x @ self.wt.gdn_gates).chunk(2, dim=-1)
-        beta = torch.sigmoid(b.float())
-        g = -F.softplus(a.float())
-        res = verify(q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv), g, beta, self.state, self.slots,
-                     self.tree, validate=False)
-        o = _rms(res.o.reshape(n, hv * dv)) * F.silu(z)
+        if verify == "bole":
+            step = gdn_tree_step(mixed, a, b, self.params, self.state, self.conv_state, self.slots, self.tree,
+                                 validate=False)
+            gdn_tree_commit(self.state, self.conv_state, self.slots, step, self.accepted, validate=False)
+            core = step.o
+        elif verify == "serial":
+            activated = tree_conv(mixed, self.conv_state, self.params.conv_weight, self.slots, self.tree, "silu",
+                                  validate=False)
+            key_width = h.hk * h.dk
+            g, beta = gdn_gates(a, b, self.params.a_log, self.params.dt_bias, validate=False)
+            res = serial_verify(activated[:, :key_width].view(n, h.hk, h.dk),
+                                activated[:, key_width:2 * key_width].view(n, h.hk, h.dk),
+                                activated[:, 2 * key_width:].view(n, h.hv, h.dv), g, beta, self.state, self.slots,
+                                self.tree, validate=False)
+            self.state.copy_(self.snapshot)
+            core = res.o
+        else:
+            raise ValueError(f"verify: expected 'bole' or 'serial', got {verify!r}")
+        o = _rms(core.reshape(n, h.hv * h.dv)) * F.silu(z)
         y = self.x + o @ self.wt.gdn_out
         return y + _ffn(_rms(y), self.model, self.wt)
 
-    def attention_layer(self, variant: str = "grouped") -> torch.Tensor:
-        """One attention layer and its FFN. ``variant``: how the masked attention is called.
-
-        "grouped": the query heads of a key head become extra query rows ``[B, kv, group * T, hd]`` with
-        an additive mask (PyTorch's memory-efficient kernel, flat in T); "gqa": one call with
-        ``enable_gqa`` and a boolean mask (PyTorch's math kernel, fastest for T = 1). The step takes
-        the faster: an engine runs its best attention kernel for each shape.
-        """
+    def attention_layer(self, method: str = "split") -> torch.Tensor:
+        """One attention layer and its FFN, the tree attention by ``method`` (`bole_tune.tree_attention`)."""
         a = self.model.attention
-        batch, size = self.mask.shape[0], self.mask.shape[2]
-        group = a.num_heads // a.num_kv_heads
+        batch, size = self.tree_mask.shape[:2]
         x = _rms(self.x)
         q, gate = (x @ self.wt.attn_q).chunk(2, dim=-1)
         k, v = (x @ self.wt.attn_kv).chunk(2, dim=-1)
+        q = q.view(batch, size, a.num_heads, a.head_dim).transpose(1, 2)
         k = k.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = v.view(batch, size, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        keys = torch.cat([self.k_cache, k], dim=2)
-        values = torch.cat([self.v_cache, v], dim=2)
-        if variant == "grouped":
-            q = q.view(batch, size, a.num_kv_heads, group, a.head_dim).permute(0, 2, 3, 1, 4)
-            q = q.reshape(batch, a.num_kv_heads, group * size, a.head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.grouped_mask)
-            out = out.view(batch, a.num_kv_heads, group, size, a.head_dim).permute(0, 3, 1, 2, 4)
-        elif variant == "gqa":
-            q = q.view(batch, size, a.num_heads, a.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
-            out = out.transpose(1, 2)
-        else:
-            raise ValueError(f"variant: expected 'grouped' or 'gqa', got {variant!r}")
-        out = out.reshape(batch * size, -1) * torch.sigmoid(gate)
+        if method == "flex" and self._block_mask is None:
+            self._block_mask = flex_block_mask(self.tree_mask, self.k_cache.shape[2], a.num_heads)
+        out = tree_attention(q, self.k_cache, self.v_cache, k, v, self.tree_mask, method=method,
+                             block_mask=self._block_mask)
+        out = out.transpose(1, 2).reshape(batch * size, -1) * torch.sigmoid(gate)
         y = self.x + out @ self.wt.attn_out
         return y + _ffn(_rms(y), self.model, self.wt)
 
@@ -212,25 +225,39 @@ class StepModel:
 
 
 def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 4096, device="cuda",
-                       repeats: int = 20, serial: bool = True, progress=None) -> list[StepPoint]:
-    """Step latency at every (batch, tree size); tree size 1 is plain decoding."""
+                       repeats: int = 20, serial: bool = True, attention=("split",), progress=None) -> list[StepPoint]:
+    """Step latency at every (batch, tree size); tree size 1 is plain decoding. ``attention``: the tree
+    attention methods to time (the fastest counts); ``serial``: also time the layer through serial_verify
+    (trees of at most `SERIAL_MAX_TREE` nodes)."""
+    unknown = [m for m in attention if m not in ATTENTION_METHODS]
+    if unknown or not attention:
+        raise ValueError(f"attention: expected some of {ATTENTION_METHODS}, got {list(attention)!r}")
     weights = _Weights(model, device)
     points = []
     for batch in batches:
         for size in tree_sizes:
             m = StepModel(model, batch, size, weights, context, device)
-            gdn = time_launches(lambda _: m.gdn_layer(tree_verify), 1, device, repeats=repeats).p50_us
+            gdn = time_launches(lambda _: m.gdn_layer("bole"), 1, device, repeats=repeats).p50_us
             gdn_serial = None
-            if serial and size > 1:
-                gdn_serial = time_launches(lambda _: m.gdn_layer(serial_verify), 1, device, repeats=repeats).p50_us
-            variants = {name: time_launches(lambda _: m.attention_layer(name), 1, device, repeats=repeats).p50_us
-                        for name in ATTENTION_VARIANTS}
-            attention = min(variants.values())
+            if serial and 1 < size <= SERIAL_MAX_TREE:
+                gdn_serial = time_launches(lambda _: m.gdn_layer("serial"), 1, device, repeats=repeats).p50_us
+            methods, failed = {}, {}
+            for name in attention:
+                try:
+                    methods[name] = time_launches(lambda _: m.attention_layer(name), 1, device, repeats=repeats).p50_us
+                except Exception as error:  # a method without a kernel for this shape (FlexAttention at head dim 256)
+                    if len(attention) == 1:
+                        raise
+                    failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            if not methods:
+                raise RuntimeError(f"no tree attention method ran at B={batch} T={size}: {failed}")
+            kernel = min(methods, key=methods.get)
             lm = time_launches(lambda _: m.lm_head(), 1, device, repeats=repeats).p50_us
-            others = model.num_attention_layers * attention + lm
+            others = model.num_attention_layers * methods[kernel] + lm
             step = model.num_gdn_layers * gdn + others
             step_serial = model.num_gdn_layers * gdn_serial + others if gdn_serial is not None else None
-            points.append(StepPoint(batch, size, gdn, gdn_serial, attention, lm, step, step_serial, variants))
+            points.append(StepPoint(batch, size, gdn, gdn_serial, methods[kernel], lm, step, step_serial, kernel,
+                                    {**methods, **failed} if len(attention) > 1 else None))
             if progress:
                 progress(model, batch, size, points[-1])
             del m
@@ -238,7 +265,7 @@ def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 
 
 
 STEP_BATCHES = (1, 2, 4, 8, 16, 32)
-STEP_TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
+STEP_TREE_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclass
@@ -261,12 +288,15 @@ def step_curve_entry(model: ModelProfile, points: list[StepPoint], context: int,
             "provenance": provenance(fp, METHOD)}
 
 
-def measure_and_store(models=None, batches=STEP_BATCHES, tree_sizes=STEP_TREE_SIZES, context: int = 4096,
-                      repeats: int = 20, serial: bool = True, db_dir=None, replace_corrupt: bool = False,
+def measure_and_store(models=None, batches=None, tree_sizes=None, context: int = 4096,
+                      repeats: int = 20, serial: bool = True, attention=("split",), db_dir=None,
+                      replace_corrupt: bool = False,
                       progress=None) -> StepResult:
     """Measure the verification step of each model (`DEFAULT_MODELS` when None; names or profiles) on this
     machine's GPU, or its CPU without one, and store each model's curve in ``<db_dir>/<gpu>.yaml`` as soon
-    as it is measured. ``progress(model, batch, tree_size, point)`` after each point."""
+    as it is measured. ``progress(model, batch, tree_size, point)`` after each point. ``batches``,
+    ``tree_sizes``: default `STEP_BATCHES`, `STEP_TREE_SIZES`."""
+    batches, tree_sizes = batches or STEP_BATCHES, tree_sizes or STEP_TREE_SIZES
     profiles = [resolve_model(m) if isinstance(m, str) else m for m in (models or DEFAULT_MODELS)]
     if context < 1:
         raise ValueError("--context: must be positive")
@@ -282,6 +312,7 @@ def measure_and_store(models=None, batches=STEP_BATCHES, tree_sizes=STEP_TREE_SI
                             "nothing about a GPU's step.")
     for model in profiles:
         points = measure_step_curve(model, batches, tree_sizes, context, device, repeats, serial=serial,
+                                    attention=attention,
                                     progress=progress)
         database.update(path, device=fp.as_dict(), step_curves={f"{model.name}/bf16":
                                                                 step_curve_entry(model, points, context, fp)})

@@ -7,6 +7,7 @@
 #   validate  bole-tune validate --production (greedy output against transformers)
 #   profile   a quick profile into $OUT's database (bole-tune profile --quick, curves)
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
+#   step      bole-tune step, every model, into a copy of the shipped database in $OUT (STEP_ARGS for more flags)
 #   lookup    the runtime lookup's cost (bole-tune bench --lookup)
 # Default: gputests bench (the speed check of a kernel change). Each stage has its own time limit
 # (STAGE_TIMEOUT, e.g. TESTS_TIMEOUT=300), so later stages still run. Logs and results go to $OUT
@@ -20,7 +21,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=150
 LOG="$OUT/run.log"
 stages=${*:-gputests bench}
 for stage in $stages; do
-  case $stage in tests|gputests|validate|profile|bench|lookup) ;; *) echo "unknown stage $stage (tests gputests validate profile bench lookup)"; exit 2 ;; esac
+  case $stage in tests|gputests|validate|profile|bench|step|lookup) ;; *) echo "unknown stage $stage (tests gputests validate profile bench step lookup)"; exit 2 ;; esac
 done
 
 rows=()
@@ -45,6 +46,8 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
     profile) BOLE_TUNE_DB="$OUT" timeout "${PROFILE_TIMEOUT:-300}" bole-tune profile --quick --repeats 20 \
         --curve-batch 1,4,16 --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" ;;
     bench) timeout "${BENCH_TIMEOUT:-300}" bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" ;;
+    step) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
+        BOLE_TUNE_DB="$OUT" timeout "${STEP_TIMEOUT:-540}" bole-tune step ${STEP_ARGS:-} ;;
     lookup) timeout "${LOOKUP_TIMEOUT:-120}" bole-tune bench --lookup ;;
   esac
 }
