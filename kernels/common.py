@@ -1,10 +1,14 @@
 """What every kernel of the package shares: dtypes it takes, argument checks, and backend dispatch.
 
-Validation has two levels. Shapes, dtypes and devices are checked on every call (host-side, no
-device work). Values (NaN or inf gates, slot indices out of range or repeated, accepted nodes out of
-range) need one device-to-host copy, so they are checked unless ``validate=False`` is passed, the
-environment sets ``BOLE_TUNE_VALIDATE=0``, or a CUDA graph is being captured (where a copy to the
-host is impossible). Engines that validated their integration turn them off on the hot path.
+Validation has two levels. Shapes, dtypes, devices and the tree are checked on every call, on the host,
+with no device work. Values (NaN or inf gates, slot indices out of range or repeated, accepted nodes out
+of range) live on the device: checking them costs one device-to-host copy, which synchronises the
+stream and cost 250-900 us of host time per call on the H200 (BENCHMARKS.md, "tree_commit" and "Cost of
+the choice at runtime"), several times the kernels themselves at small batches. So they are checked only
+when asked: ``validate=True``, or ``BOLE_TUNE_VALIDATE=1`` in the environment for every call of a process
+(for example while an engine's integration is being brought up). Never inside a CUDA graph capture, where
+a copy to the host is impossible. Without them the kernels still never read or write outside their
+tensors: an accepted node out of range leaves its slot as it is.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ L2_EPS = 1e-6
 def validation_enabled(validate: bool | None) -> bool:
     """Resolve the ``validate`` argument against the environment and graph capture."""
     if validate is None:
-        raw = os.environ.get("BOLE_TUNE_VALIDATE", "1").strip().lower()
-        if raw in ("1", "true", "yes", "on", ""):
+        raw = os.environ.get("BOLE_TUNE_VALIDATE", "0").strip().lower()
+        if raw in ("1", "true", "yes", "on"):
             validate = True
-        elif raw in ("0", "false", "no", "off"):
+        elif raw in ("0", "false", "no", "off", ""):
             validate = False
         else:
             raise ValueError(f"BOLE_TUNE_VALIDATE: expected 1 or 0, got {raw!r}")

@@ -70,10 +70,12 @@ def tree_conv_commit_kernel(
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1).to(tl.int64)
     accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
-    if accepted >= 0:
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse
+    if (accepted >= 0) & (accepted < tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos):
         o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
         m_c = o_c < channels
-        row = tl.load(offsets_ptr + i_r).to(tl.int64) + accepted
+        row = bos + accepted
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
         p_state = conv_state_ptr + slot * stride_s_slot + o_c * stride_s_c
         # column WIDTH-2 becomes the accepted node's input, column t the input (WIDTH-2-t) steps before it

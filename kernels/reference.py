@@ -143,7 +143,7 @@ def commit_closed_form(state, state_indices, res: TreeVerifyResult, accepted, va
     keys = (res.k.float() * res.k_scale[:, :, None]).repeat_interleave(group, dim=1)  # [N, Hv, dk]
     offsets = tree.offsets.tolist()
     for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
-        if node < 0:
+        if not 0 <= node < tree.sizes[r]:  # -1 keeps the slot, and so does a node out of range
             continue
         rows = [offsets[r] + j for j in tree.path_to(r, node)]
         a = rows[-1]
@@ -182,7 +182,7 @@ def tree_conv_commit_reference(conv_state, state_indices, x, tree: TreeBatch, ac
     width = conv_state.shape[2] + 1
     offsets = tree.offsets.tolist()
     for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
-        if node < 0:
+        if not 0 <= node < tree.sizes[r]:  # -1 keeps the slot, and so does a node out of range
             continue
         rows = [offsets[r] + j for j in tree.path_to(r, node)]
         conv_state[slot] = _window(x, conv_state, slot, rows, width - 1).to(conv_state.dtype)

@@ -76,6 +76,10 @@ VERIFY_CASES = {
 }
 
 
+# checked on the device: only when asked (validate=True or BOLE_TUNE_VALIDATE=1), never by default
+VALUE_CASES = ("g-nan", "beta-inf", "g-positive", "beta-above-1", "slot-negative", "slot-too-large", "slot-repeated")
+
+
 @pytest.mark.parametrize("case", list(VERIFY_CASES), ids=list(VERIFY_CASES))
 def test_tree_verify_refuses(batch, case):
     tree, x = batch
@@ -83,8 +87,22 @@ def test_tree_verify_refuses(batch, case):
     before = x.state.clone()
     args = make(tree, x)
     with pytest.raises(error, match=message):
-        tree_verify(tree=tree, **args)
+        tree_verify(tree=tree, validate=True if case in VALUE_CASES else None, **args)
     assert torch.equal(x.state, before)
+
+
+@pytest.mark.parametrize("case", ["g-nan", "slot-repeated"])
+def test_value_checks_run_when_asked_and_only_then(batch, case, monkeypatch):
+    """The default call does no device-to-host copy, so a bad value passes; BOLE_TUNE_VALIDATE=1 checks
+    every call of the process; validate=False wins over the environment."""
+    tree, x = batch
+    make, error, message = VERIFY_CASES[case]
+    args = make(tree, x)
+    tree_verify(tree=tree, **args)
+    monkeypatch.setenv("BOLE_TUNE_VALIDATE", "1")
+    with pytest.raises(error, match=message):
+        tree_verify(tree=tree, **args)
+    tree_verify(tree=tree, validate=False, **args)
 
 
 OPTION_CASES = {
@@ -155,8 +173,31 @@ def test_tree_commit_refuses(batch, case):
     args = {"state": x.state, "state_indices": x.state_indices, "res": res, "accepted": torch.tensor([0, 1]),
             **make(tree, x, res)}
     with pytest.raises(error, match=message):
-        tree_commit(**args)
+        tree_commit(validate=True if case in ("accepted-out-of-range", "accepted-below-minus-1", "slots-repeated")
+                    else None, **args)
     assert torch.equal(x.state, before), "a refused commit wrote the state pool"
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("accepted", [[5, 0], [0, 7], [-2, 0], [2**31 - 1, -5]], ids=str)
+def test_an_unchecked_accepted_node_out_of_range_leaves_its_slot(device, accepted, path, monkeypatch):
+    """Without value checks the commit (the kernel, or the PyTorch fallback off a GPU without the
+    interpreter) still never reads past a request's nodes: a request whose accepted node is out of range
+    keeps its state, the others commit as usual."""
+    if path == "fallback":
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tree = make_tree([5, 3], seed=1, device=device)
+    x = make_inputs(tree, 2, 4, 32, 32, torch.float32, device, seed=1)
+    res = tree_verify(*x.args(tree))
+    accepted_t = torch.tensor(accepted, device=device)
+    good = [r for r, (a, size) in enumerate(zip(accepted, tree.sizes)) if 0 <= a < size]
+    expected = x.state.clone()
+    if good:
+        tree_commit(expected, x.state_indices, res, torch.where(torch.tensor([r in good for r in range(2)],
+                                                                            device=device), accepted_t, -1))
+    tree_commit(x.state, x.state_indices, res, accepted_t, validate=False)
+    assert torch.equal(x.state, expected)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -203,7 +244,7 @@ def test_search_space_errors(tmp_path, text, message):
 
 def test_acceptance_model_error(tmp_path):
     path = tmp_path / "a.yaml"
-    path.write_text("name: a\ndepth_acceptance: [1.5]\nrank_share: [1.0]\n")
+    path.write_text("name: a\ndepth_acceptance: [1.5]\nalternative_share: [0.1]\n")
     with pytest.raises(ProfileError, match="depth_acceptance\\[0\\]: expected a probability"):
         load_acceptance(str(path))
 

@@ -94,7 +94,8 @@ def test_gates_match_transformers_formula(device):
     (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2], w[:3, 0], w[:2, 1]), ValueError, "a_log: expected shape"),
 ], ids=["rows", "width", "slot-dtype", "slot-range", "x-dtype", "nan", "activation", "strided-state",
         "accepted", "gate-shape", "gate-inf", "a-log-shape"])
-def test_bad_inputs_are_refused(call, error, message):
+def test_bad_inputs_are_refused(call, error, message, monkeypatch):
+    monkeypatch.setenv("BOLE_TUNE_VALIDATE", "1")  # values (slots, NaN, accepted) are checked when asked
     tree, x, state, weight, slots = conv_case("cpu", [4, 3], "random", 8, 4, F32)
     with pytest.raises(error, match=message):
         call(tree, x, state, weight, slots)

@@ -42,8 +42,10 @@ def tree_commit_kernel(
     i_span = i_tile // (D_K // B_K)
     i_k = i_tile % (D_K // B_K)
     accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
-    if accepted >= 0:
-        bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse
+    if (accepted >= 0) & (accepted < num_nodes):
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
         o_k = i_k * B_K + tl.arange(0, B_K)
         p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
