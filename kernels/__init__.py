@@ -10,8 +10,8 @@ from .gates import gdn_gates
 from .verify.planner import Launch, LaunchPolicy, Planner
 from .verify.result import TreeVerifyResult
 from .verify.serial_verify import serial_verify
-from .verify.tree_commit import tree_commit
+from .verify.tree_commit import LayerResults, tree_commit, tree_commit_layers
 from .verify.tree_verify import PLANNER, plan_launch, tree_verify
 
-__all__ = ["Launch", "LaunchPolicy", "PLANNER", "Planner", "TreeVerifyResult", "gdn_gates", "plan_launch",
-           "serial_verify", "tree_commit", "tree_conv", "tree_conv_commit", "tree_verify"]
+__all__ = ["LayerResults", "Launch", "LaunchPolicy", "PLANNER", "Planner", "TreeVerifyResult", "gdn_gates", "plan_launch",
+           "serial_verify", "tree_commit", "tree_commit_layers", "tree_conv", "tree_conv_commit", "tree_verify"]

@@ -307,3 +307,20 @@ def test_unknown_schema_and_truncated_database(db_file):
     db_file.write_text(text[: len(text) // 3] + "\n  - {")
     with pytest.raises(database.DatabaseError, match="replay-gpu.yaml"):
         database.load(db_file)
+
+
+def test_commit_of_all_layers_refuses(batch):
+    from bole_tune.kernels import LayerResults, tree_commit_layers
+
+    tree, x = batch
+    results = LayerResults.empty(2, tree.num_nodes, HeadShape(hk=2, hv=4, dk=32, dv=32), torch.float32, "cpu")
+    states = torch.stack([x.state, x.state.clone()])
+    accepted = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"states: expected shape \[L=2"):
+        tree_commit_layers(states[:1], x.state_indices, results, tree, accepted)
+    with pytest.raises(TypeError, match="results: expected LayerResults"):
+        tree_commit_layers(states, x.state_indices, results.layer(0, tree), tree, accepted)
+    with pytest.raises(ValueError, match="accepted: expected shape"):
+        tree_commit_layers(states, x.state_indices, results, tree, accepted[:1])
+    with pytest.raises(ValueError, match="accepted\\[0\\]=9 is out of range"):
+        tree_commit_layers(states, x.state_indices, results, tree, torch.tensor([9, 0]), validate=True)

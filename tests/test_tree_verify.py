@@ -384,3 +384,29 @@ def test_resident_self_check_passes_a_good_config(device):
         error, tolerance = check_resident(launch, HeadShape(hk=1, hv=2, dk=32, dv=32), BF16, torch.float32,
                                           32 ** -0.5, True, torch.device(device), deep)
         assert error <= tolerance, (deep, error, tolerance)
+
+
+@pytest.mark.parametrize("layers,sizes", [(3, [5, 1, 9]), (1, [20])], ids=["L3-B3", "L1-B1"])
+def test_one_commit_launch_for_all_layers(device, layers, sizes):
+    """tree_commit_layers commits every layer's accepted path in one launch: each layer's slot equals the
+    float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched."""
+    from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.shapes import HeadShape
+
+    tree = make_tree(sizes, "random", seed=31, device=device)
+    heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
+    results = LayerResults.empty(layers, tree.num_nodes, heads, torch.float32, device)
+    pools, expected = [], []
+    accepted = torch.tensor([s - 1 if r != 1 else -1 for r, s in enumerate(sizes)], device=device)
+    for layer in range(layers):
+        x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=40 + layer)
+        if layer:
+            x.state_indices.copy_(pools[0][1])  # one slot per request, the same in every layer's pool
+        tree_verify(*x.args(tree), out=results.layer(layer))
+        ref = verify_reference(*x.args(tree))
+        pools.append((x.state, x.state_indices))
+        expected.append(ref.committed(x.state, x.state_indices, tree, accepted))
+    states = torch.stack([p for p, _ in pools])
+    tree_commit_layers(states, pools[0][1], results, tree, accepted)
+    for layer in range(layers):
+        assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")

@@ -1,4 +1,5 @@
-"""Commit of the accepted path: one launch writes every request's new state into its slot.
+"""Commit of the accepted path: one launch writes every request's new state into its slot, for one layer
+(`tree_commit`) or for every GDN layer of a step at once (`tree_commit_layers`).
 
 ``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (docs/math.md §4): each
 program owns ``v_span`` rows (by default all of them) and ``b_k`` columns of one head's slot and
@@ -8,6 +9,11 @@ flight. The path to the accepted node ``a`` holds the nodes whose depth-first in
 for its whole span, so the sum is a dot product over the path alone, not over the whole tree.
 On the H200 (9B, B=16) the default 128/16/2 warps/span 128/3 stages took 28.3 us against 41.7 us for
 one 32-row tile per program (BENCHMARKS.md, "tree_commit").
+
+At one request a layer's commit is 32 programs (one per head) for a 2 MiB state, far too few to fill a GPU
+(14 us where copying the state takes about 1 us), and it is one more launch per layer. `tree_commit_layers`
+commits the stacked pools and factors of all of a step's layers in one launch (a fourth grid dimension:
+layer), and both narrow the programs' spans (`commit_tiles`) until a launch has enough programs.
 """
 
 from __future__ import annotations
@@ -15,12 +21,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bole_tune.config import node_block
+from dataclasses import dataclass
 
-from ..common import use_triton
+import torch
+
+from bole_tune.config import node_block
+from bole_tune.shapes import HeadShape
+from bole_tune.tree import TreeBatch
+
+from ..common import INDEX_DTYPES, require_tensor, use_triton
 from ..reference import commit_closed_form
 from .checks import check_commit_inputs
 from .result import TreeVerifyResult
+
+COMMIT_TARGET_PROGRAMS = 264  # two per SM of an H200: fewer leaves the copy latency-bound
 
 
 @triton.jit
@@ -29,15 +43,22 @@ def tree_commit_kernel(
     state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
     # factors from the verification
     u_ptr, logp_ptr, k_ptr, k_scale_ptr,
-    # strides
-    stride_s_slot, stride_s_h, stride_s_v,
+    # strides (per layer: 0 for a single layer)
+    stride_s_layer, stride_s_slot, stride_s_h, stride_s_v,
+    stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, num_requests,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    i_r = tl.program_id(2).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64) // num_requests
+    i_r = tl.program_id(2).to(tl.int64) % num_requests
+    state_ptr += i_l * stride_s_layer
+    u_ptr += i_l * stride_u_layer
+    logp_ptr += i_l * stride_logp_layer
+    k_ptr += i_l * stride_k_layer
+    k_scale_ptr += i_l * stride_k_scale_layer
     i_hk = i_h // (H_V // H_K)
     i_span = i_tile // (D_K // B_K)
     i_k = i_tile % (D_K // B_K)
@@ -86,8 +107,24 @@ def tree_commit_kernel(
             tl.debug_barrier()
 
 
+def commit_tiles(programs_per_tile: int, dk: int, dv: int, b_k: int = 128, v_span: int = 128) -> tuple[int, int]:
+    """(b_k, v_span): the widest tiles (``b_k`` columns, ``v_span`` rows per program) that still give a launch
+    of ``programs_per_tile * (dk / b_k) * (dv / v_span)`` programs at least `COMMIT_TARGET_PROGRAMS`, halving
+    the span first (down to 16 rows), then the columns (down to 32)."""
+    b_k, v_span = min(b_k, dk), min(v_span, dv)
+    while programs_per_tile * (dk // b_k) * (dv // v_span) < COMMIT_TARGET_PROGRAMS:
+        if v_span > 16:
+            v_span //= 2
+        elif b_k > 32:
+            b_k //= 2
+        else:
+            break
+    return b_k, v_span
+
+
 def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate: bool | None = None,
-                b_k: int = 128, b_v: int = 16, num_warps: int = 2, v_span: int = 128, num_stages: int = 3) -> None:
+                b_k: int | None = None, b_v: int = 16, num_warps: int = 2, v_span: int | None = None,
+                num_stages: int = 3) -> None:
     """Write in place, for each request, the state the recurrence reaches at its accepted node.
 
     Args:
@@ -96,27 +133,100 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
         res: the `TreeVerifyResult` of `tree_verify` or `serial_verify`.
         accepted: ``[B]`` int, local index of each request's last accepted node; -1 leaves its slot as is.
         b_k, b_v, num_warps, v_span, num_stages: the launch (columns and rows per tile, rows per
-            program); clipped to dk and dv.
+            program); clipped to dk and dv; ``b_k``/``v_span`` None: `commit_tiles` for this batch.
     """
     check_commit_inputs(state, state_indices, res, accepted, validate)
     if not use_triton(state.device):
         commit_closed_form(state, state_indices, res, accepted, validate=False)
         return
-    _, hv, dv = res.u.shape
-    hk, dk = res.k.shape[1:]
-    b_k, b_v = min(b_k, dk), min(b_v, dv)
-    v_span = max(b_v, min(v_span, dv))
+    _launch(state[None], state_indices, res.tree, accepted, res.u[None], res.log_decay[None], res.k[None],
+            res.k_scale[None], b_k, b_v, num_warps, v_span, num_stages)
+
+
+@dataclass
+class LayerResults:
+    """The verification factors of every GDN layer of a step, stacked so one launch commits them all.
+
+    Each field is `TreeVerifyResult`'s with a leading layer dimension ``L``; ``layer(l)`` is layer l's
+    `TreeVerifyResult` (views), to pass to `tree_verify` as ``out=``.
+    """
+
+    o: torch.Tensor
+    u: torch.Tensor
+    log_decay: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int, num_nodes: int, heads: HeadShape, dtype: torch.dtype, device) -> "LayerResults":
+        n, h = num_nodes, heads
+        return cls(o=torch.empty(num_layers, n, h.hv, h.dv, dtype=dtype, device=device),
+                   u=torch.empty(num_layers, n, h.hv, h.dv, dtype=torch.float32, device=device),
+                   log_decay=torch.empty(num_layers, n, h.hv, dtype=torch.float32, device=device),
+                   k=torch.empty(num_layers, n, h.hk, h.dk, dtype=dtype, device=device),
+                   k_scale=torch.empty(num_layers, n, h.hk, dtype=torch.float32, device=device))
+
+    @property
+    def num_layers(self) -> int:
+        return self.u.shape[0]
+
+    def layer(self, index: int, tree: TreeBatch | None = None) -> TreeVerifyResult:
+        return TreeVerifyResult(o=self.o[index], u=self.u[index], log_decay=self.log_decay[index], k=self.k[index],
+                                k_scale=self.k_scale[index], tree=tree)
+
+
+def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeBatch, accepted,
+                       validate: bool | None = None, b_k: int | None = None, b_v: int = 16, num_warps: int = 2,
+                       v_span: int | None = None, num_stages: int = 3) -> None:
+    """`tree_commit` of every layer of a step in one launch.
+
+    Args:
+        states: ``[L, num_slots, Hv, dv, dk]`` float32, the layers' pools (one tensor, as engines allocate
+            them); state_indices, accepted: as for `tree_commit`, shared by all layers.
+        results: the layers' factors (`LayerResults`, each layer verified with ``out=results.layer(l)``).
+        tree: the trees every layer verified.
+    """
+    require_tensor("states", states)
+    if not isinstance(results, LayerResults):
+        raise TypeError(f"results: expected LayerResults (LayerResults.empty, then out=results.layer(l)), "
+                        f"got {type(results).__name__}")
+    if states.dim() != 5 or states.shape[0] != results.num_layers:
+        raise ValueError(f"states: expected shape [L={results.num_layers}, num_slots, Hv, dv, dk], "
+                         f"got {tuple(states.shape)}")
+    for name in ("u", "log_decay", "k", "k_scale"):
+        if not getattr(results, name)[0].is_contiguous():
+            raise ValueError(f"results.{name}: each layer must be contiguous")
+    # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
+    check_commit_inputs(states[0], state_indices, results.layer(0, tree), accepted, validate)
+    if not use_triton(states.device):
+        for layer in range(results.num_layers):
+            commit_closed_form(states[layer], state_indices, results.layer(layer, tree), accepted, validate=False)
+        return
+    _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale, b_k, b_v,
+            num_warps, v_span, num_stages)
+
+
+def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, b_k, b_v, num_warps, v_span,
+            num_stages) -> None:
+    """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``)."""
+    layers, _, hv, dv, dk = states.shape
+    hk = k.shape[2]
+    if accepted.dtype not in INDEX_DTYPES:
+        raise TypeError(f"accepted: dtype {accepted.dtype}; expected int32 or int64")
+    tiles = commit_tiles(layers * tree.num_requests * hv, dk, dv)
+    b_k, v_span = min(b_k or tiles[0], dk), min(v_span or tiles[1], dv)
+    b_v = min(b_v, v_span)
     for name, value, full in (("b_k", b_k, dk), ("b_v", b_v, v_span), ("v_span", v_span, dv)):
         if not isinstance(value, int) or value < 1 or value & (value - 1) or full % value:
             raise ValueError(f"{name}={value!r}: expected a power of two dividing {full}")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r}: expected a positive integer")
-    tree = res.tree
-    grid = ((dv // v_span) * (dk // b_k), hv, tree.num_requests)
+    grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
     tree_commit_kernel[grid](
-        state, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
-        res.u, res.log_decay, res.k, res.k_scale,
-        state.stride(0), state.stride(1), state.stride(2),
+        states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
+        u, log_decay, k, k_scale,
+        states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
+        u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), tree.num_requests,
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, V_SPAN=v_span, B_P=16,
         num_warps=num_warps, num_stages=num_stages,
     )
