@@ -225,7 +225,8 @@ def cmd_step(args) -> int:
     with _bar() as bar:
         task = bar.add_task("step latency", total=None)
         result = _call(measure_and_store, args.model, args.batch, args.tree_size, args.context, args.repeats,
-                       serial=not args.no_serial, db_dir=args.db_dir, replace_corrupt=args.replace_corrupt,
+                       serial=not args.no_serial, attention=args.attention, db_dir=args.db_dir,
+                       replace_corrupt=args.replace_corrupt,
                        progress=lambda m, b, t, _: bar.update(task, advance=1, description=f"{m.name} B={b} T={t}"))
     _say([*result.notes, render.step(result), f"step curves written: {result.path}"])
     return 0
@@ -235,9 +236,8 @@ def cmd_budget(args) -> int:
     """`bole_tune.budget.store_budgets`."""
     from bole_tune.budget import store_budgets
 
-    result = _call(store_budgets, args.acceptance, args.model, args.gpu, args.db_dir, args.export)
-    console.print(render.budgets(result))
-    console.print(f"budgets written: {result.path}" + (f"; engine settings in {args.export}" if args.export else ""))
+    result = _call(store_budgets, args.model, args.acceptance, args.engine, args.gpu, args.db_dir, args.export)
+    _say([*render.budgets(result), f"budgets written: {result.path}", *(f"written: {f}" for f in result.exported)])
     return 0
 
 
@@ -246,9 +246,8 @@ def cmd_calibrate(args) -> int:
     from bole_tune.acceptance import calibrate, save_acceptance
 
     model, stats = _call(calibrate, args.log, args.name)
-    console.print(f"fitted on {stats['rounds']} rounds: depth acceptance "
-                  f"{', '.join(f'{a:.3f}' for a in model.depth_acceptance)}; rank shares "
-                  f"{', '.join(f'{s:.3f}' for s in model.rank_share)}")
+    console.print(f"fitted on {stats['rounds']} rounds: per depth {render.numbers(model.depth_acceptance)}; "
+                  f"alternatives {render.numbers(model.alternative_share)}; below one x{model.branch_continuation:.2f}")
     if args.out:
         save_acceptance(model, args.out, f"fitted by bole-tune calibrate from {args.log} ({stats['rounds']} rounds)")
         console.print(f"written: {args.out}")
@@ -261,7 +260,7 @@ def cmd_report(args) -> int:
 
     data = _found(args).as_data()
     files = _call(write_report, data, args.out)
-    _say([render.report_summary(data), *(f"written: {f}" for f in files)])
+    _say([*render.report_summary(data), *(f"written: {f}" for f in files)])
     return 0
 
 
@@ -364,29 +363,32 @@ COMMANDS = {
                "--json": {"type": Path, "help": "also write the rows as JSON to this file"},
                "--lookup": {**FLAG, "help": "only time the runtime config lookup (cached path)"}}),
     "step": (cmd_step, "measure the whole verification step of each model (needs a GPU)",
-             "Time one GDN layer (with tree_verify, and with serial_verify), one attention layer (tree mask over a "
-             "KV context) and the LM head at the model's real shapes with random weights, as CUDA graphs, per batch "
-             "and tree size; the step is their sum over the model's layers. Writes step curves to the database.",
-             {"--model": MODELS, "--batch": {**INTS, "default": [1, 2, 4, 8, 16, 32]},
-              "--tree-size": {**INTS, "default": [1, 4, 8, 16, 32, 64, 128],
-                              "help": "verified tokens per request (1 = no speculation)"},
+             "Time one GDN layer's round (conv, gates, tree_verify, commit; and through serial_verify), one attention "
+             "layer (tree attention over a KV context, as engines run it) and the LM head at the model's real shapes "
+             "with random weights, as CUDA graphs, per batch and tree size; the step is their sum over the model's "
+             "layers. Writes step curves to the database.",
+             {"--model": MODELS, "--batch": {**INTS, "help": "batch sizes (default 1,2,4,8,16,32)"},
+              "--tree-size": {**INTS, "help": "verified tokens per request, 1 = no speculation (default 1-6, 8, "
+                                              "12, 16, 24, 32, 48, 64, 96, 128)"},
+              "--attention": {"type": lambda text: text.replace(",", " ").split(), "default": ["split"],
+                              "help": "tree attention methods to time, the fastest counts: split, flex"},
               "--context": {"type": int, "default": 4096, "help": "KV context length of the attention layers"},
               "--no-serial": {**FLAG, "help": "skip the serial_verify variant"},
               "--repeats": {"type": int, "default": 20}, "--replace-corrupt": FLAG, "--db-dir": DB_DIR}),
-    "budget": (cmd_budget, "choose the tree-token budget per batch size; export engine settings",
-               "From the measured step curves and an acceptance model, choose per batch size the tree (tokens, "
-               "nodes per request, depth, width) that maximises expected tokens per second; write it to the "
-               "database and export SGLang/vLLM settings.",
-               {"--model": {"action": "append", "help": "model, repeatable (default: every model with a step curve)"},
-                "--acceptance": {"default": "qwen3-next-mtp-gsm8k", "help": "acceptance model name or YAML file"},
-                "--gpu": GPU, "--export": {"type": Path, "help": "folder for sglang-*.json and vllm-*.json"},
-                "--db-dir": DB_DIR}),
+    "budget": (cmd_budget, "choose the draft shape per batch size, model, workload and engine; export engine files",
+               "Per batch size, the shape each engine can build (SGLang beam trees, vLLM chains, any tree for bole) "
+               "that maximises expected tokens per second on the step curve; stored in the user's database.",
+               {"--model": {"action": "append", "help": "repeatable (default: every model with a step curve)"},
+                "--acceptance": {"action": "append", "help": "workload (profile or YAML), repeatable (default: all)"},
+                "--engine": {"action": "append", "choices": ["sglang", "vllm", "bole"], "help": "default: all"},
+                "--gpu": GPU, "--export": {"type": Path, "help": "folder for engine files"}, "--db-dir": DB_DIR}),
     "calibrate": (cmd_calibrate, "fit an acceptance model to a JSONL log of real rounds",
                   "Fit per-depth acceptance and rank shares from a log (one JSON object per request and round: "
                   "parents, ranks, accepted; see bole_tune.acceptance).",
                   {"log": {"type": Path}, "--name": {"help": "name of the fitted model (default: the log's name)"},
                    "--out": {"type": Path, "help": "write the model as YAML here (default: print it)"}}),
-    "report": (cmd_report, "plots (PNG and SVG) of step latency, budgets and tree vs serial verification", None,
+    "report": (cmd_report, "plots (PNG and SVG): step latency, tokens/s against budget per workload and engine, "
+               "tree vs serial verification", None,
                {"--gpu": GPU, "--out": {"type": Path, "default": Path("bole-tune-report"), "help": "output folder"},
                 "--db-dir": DB_DIR}),
     "validate": (cmd_validate, "prove the tree step exact against transformers' Qwen3.5 and lossless end to end",

@@ -1,85 +1,46 @@
-"""The hardware-aware tree-token budget: per batch size, the tree that maximises tokens per second.
+"""The hardware-aware tree-token budget: per batch size, the draft shape an engine can build that maximises
+tokens per second, and `get_budget`, the runtime's lookup of it.
 
-For batch B and N verified tokens (N = B: no speculation), the expected throughput is
+For batch B and a shape verifying N tokens per request (N = 1: no speculation), the expected throughput is
 
-    B * E[accepted + 1] / (step latency(B, N) + draft cost)
+    B * (1 + E[accepted]) / (step(B, N) + draft(B, shape))
 
-with the step latency measured on the GPU (`bole_tune.step_latency`, stored in the database) and
-E[accepted] from an acceptance model. Draft nodes are taken best-first by path probability across
-all requests (for identical requests that spreads them evenly), which maximises E[accepted] for every
-node count because a child is never likelier than its parent nor a sibling than the one ranked above
-it. Plain chains (top-1 only) are candidates too. The draft cost of a tree is one drafter step per
-depth level, each costing one decoder layer plus the LM head over B x (level width) tokens (an MTP
-head), read off the same measured curves.
+``step`` is the measured latency of one verification step (`StepCurve`, from the database), E[accepted]
+comes from an acceptance model (`bole_tune.acceptance`), and ``draft`` is the drafter the model profile
+names (MTP: per draft step, ``layers`` full-attention decoder layers and the LM head over the tokens
+that step runs, read off the same step curve's per-layer parts). The shapes searched are the ones the
+engine executes (`bole_tune.draft_trees`): SGLang EAGLE beam trees of (num_steps, topk,
+num_draft_tokens), vLLM chains of K, and for bole-tune's own verifier any tree (best-first) or chain.
+
+**Buckets.** Budgets are computed at the step curve's measured batch sizes B_1 < ... < B_n. The entry of
+B_i serves batch sizes B_(i-1) + 1 .. B_i (B_0 = 0; it is the largest batch it was chosen for), and the
+entry of B_n also serves every batch above it: each entry's ``serves`` is [low, high] (high null for the
+last). `get_budget` and the engine exports use exactly these ranges.
+
+Database entries: section ``budgets``, named ``<Model>/<dtype>[/TP<n>]/<workload>/<engine>``.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
-import json
 import math
-from dataclasses import dataclass
+import operator
+import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bole_tune import database
-from bole_tune.acceptance import AcceptanceModel, load_acceptance
-from bole_tune.atomic import write_text_atomic
-from bole_tune.fingerprint import fingerprint
-from bole_tune.profiles import ModelProfile, resolve_model
+from bole_tune.acceptance import DEFAULT_WORKLOAD, AcceptanceModel, list_acceptance_models, load_acceptance
+from bole_tune.draft_trees import MAX_DEPTH, DraftTree, SGLangBeam, best_first_tree, chain_tree
+from bole_tune.profiles import DrafterShape, ModelProfile, ProfileError, resolve_model
 
-
-@dataclass(frozen=True)
-class DraftTree:
-    parents: tuple[int, ...]  # draft nodes only; -1: hangs off the committed token
-    ranks: tuple[int, ...]
-    probabilities: tuple[float, ...]  # P(node accepted), the product along its path
-
-    @property
-    def expected_accepted(self) -> float:
-        return sum(self.probabilities)
-
-    @property
-    def depth(self) -> int:
-        depths = tree_depths(self.parents)
-        return max(depths) if depths else 0
-
-    @property
-    def width(self) -> int:
-        depths = tree_depths(self.parents)
-        return max((depths.count(d) for d in set(depths)), default=0)
-
-
-def tree_depths(parents) -> list[int]:
-    depths = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
-
-
-def best_first_tree(model: AcceptanceModel, nodes: int, chain: bool = False) -> DraftTree:
-    """The ``nodes``-node draft tree of largest expected accepted length (``chain``: top-1 only)."""
-    parents, ranks, probabilities = [], [], []
-    depth_of = []
-    # heap of candidates: (-probability, tiebreak, parent, rank, depth)
-    heap = [(-model.child_probability(1, 1), 0, -1, 1, 1)]
-    counter = 1
-    while heap and len(parents) < nodes:
-        neg_p, _, parent, rank, depth = heapq.heappop(heap)
-        if -neg_p <= 0.0:
-            break
-        index = len(parents)
-        parents.append(parent)
-        ranks.append(rank)
-        probabilities.append(-neg_p)
-        depth_of.append(depth)
-        base = 1.0 if parent < 0 else probabilities[parent]
-        if not chain and rank < model.max_rank:  # next sibling
-            heapq.heappush(heap, (-base * model.child_probability(depth, rank + 1), counter, parent, rank + 1, depth))
-            counter += 1
-        heapq.heappush(heap, (-(-neg_p) * model.child_probability(depth + 1, 1), counter, index, 1, depth + 1))
-        counter += 1
-    return DraftTree(tuple(parents), tuple(ranks), tuple(probabilities))
+ENGINES = ("sglang", "vllm", "bole")
+DEFAULT_ENGINE = "bole"
+MAX_TOPK = 8  # SGLang's widest beam searched (its documented EAGLE examples use topk up to 8)
+METHOD = ("per batch: the engine-buildable shape maximising B * (1 + E[accepted]) / (step + draft); step from the "
+          "step curve (interpolated in tree size), draft = per drafter step (layers x attention_us + lm_head_us) at "
+          "the tokens per request that step runs; E[accepted] from the acceptance profile")
 
 
 class StepCurve:
@@ -101,146 +62,197 @@ class StepCurve:
     def max_tree_size(self, batch: int) -> int:
         return self.by_batch[batch][-1]["tree_size"]
 
-    def value(self, batch: int, tree_size: float, field: str = "step_us") -> float:
+    def value(self, batch: int, tree_size: float, field_name: str = "step_us") -> float:
         pts = self.by_batch[batch]
         sizes = [p["tree_size"] for p in pts]
-        if tree_size <= sizes[0]:
-            return pts[0][field]
+        if tree_size <= sizes[0] or len(pts) == 1:
+            return pts[0][field_name]
         i = min(bisect.bisect_left(sizes, tree_size), len(pts) - 1)
         lo, hi = pts[i - 1], pts[i]
         t = (tree_size - lo["tree_size"]) / (hi["tree_size"] - lo["tree_size"])
-        return lo[field] + t * (hi[field] - lo[field])
+        return lo[field_name] + t * (hi[field_name] - lo[field_name])
 
-    def draft_cost(self, batch: int, tree: DraftTree) -> float:
-        """One drafter step per depth level: a decoder layer and the LM head over that level's tokens."""
-        depths = tree_depths(tree.parents)
-        cost = 0.0
-        for d in range(1, (max(depths) if depths else 0) + 1):
-            width = depths.count(d)
-            cost += self.value(batch, width, "attention_us") + self.value(batch, width, "lm_head_us")
-        return cost
+    def drafter_step(self, batch: int, tokens_per_request: int, drafter: DrafterShape) -> float:
+        """One MTP drafter step over ``tokens_per_request`` tokens of each of ``batch`` requests."""
+        return (drafter.layers * self.value(batch, tokens_per_request, "attention_us")
+                + self.value(batch, tokens_per_request, "lm_head_us"))
 
 
 @dataclass(frozen=True)
-class Choice:
+class Shape:
+    """One draft shape an engine can run: N verified tokens per request, what it is expected to accept,
+    the tokens per request its drafter runs at each step, and the engine's settings for it."""
+
+    engine: str
+    nodes_per_request: int
+    expected_accepted: float
+    drafter_tokens: tuple[int, ...]
+    settings: dict | None = None
+    build: object = field(default=None, compare=False, repr=False)  # () -> DraftTree
+
+    def tree(self) -> DraftTree:
+        return self.build()
+
+
+def _chains(model: AcceptanceModel, max_nodes: int, max_depth: int, engine: str):
+    for k in range(1, min(max_depth, max_nodes - 1) + 1):
+        tree = chain_tree(model, k)
+        settings = {"vllm": {"num_speculative_tokens": k},
+                    "sglang": {"speculative_num_steps": k, "speculative_eagle_topk": 1,
+                               "speculative_num_draft_tokens": k + 1}}.get(engine)
+        yield Shape(engine, k + 1, tree.expected_accepted, (1,) * k, settings, lambda t=tree: t)
+
+
+def engine_shapes(engine: str, model: AcceptanceModel, max_nodes: int, max_depth: int = MAX_DEPTH) -> list[Shape]:
+    """Every shape of at most ``max_nodes`` verified tokens per request that ``engine`` can run."""
+    check_engine(engine)
+    if engine == "vllm":
+        return list(_chains(model, max_nodes, max_depth, engine))
+    if engine == "bole":
+        full = best_first_tree(model, max_nodes - 1, max_depth=max_depth)
+        shapes = [Shape("bole", 1, 0.0, (), None, lambda: DraftTree((), (), ()))]
+        for n in range(1, len(full.parents) + 1):
+            tree = DraftTree(full.parents[:n], full.ranks[:n], full.probabilities[:n])
+            shapes.append(Shape("bole", n + 1, tree.expected_accepted, tuple(tree.expanded_per_level()), None,
+                                lambda t=tree: t))
+        return shapes + list(_chains(model, max_nodes, max_depth, engine))
+    shapes = list(_chains(model, max_nodes, max_depth, engine))
+    for steps in range(1, max_depth + 1):
+        for topk in range(2, MAX_TOPK + 1):
+            beam = SGLangBeam(model, steps, topk)
+            for n in range(2, min(max_nodes, beam.max_draft_tokens) + 1):
+                settings = {"speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                            "speculative_num_draft_tokens": n}
+                shapes.append(Shape("sglang", n, beam.expected_accepted(n), tuple(beam.drafter_tokens()), settings,
+                                    lambda b=beam, n=n: b.tree(n)))
+    return shapes
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    shape: Shape
     batch: int
-    nodes_per_request: int  # verified tokens per request, the committed token included
-    chain: bool
-    tree: DraftTree
     step_us: float
     draft_us: float
 
     @property
-    def tokens(self) -> int:
-        return self.batch * self.nodes_per_request
-
-    @property
-    def expected_tokens(self) -> float:
-        """Tokens a request gains per round: the accepted drafts plus the target's own token."""
-        return 1.0 + self.tree.expected_accepted
-
-    @property
     def tokens_per_second(self) -> float:
-        return self.batch * self.expected_tokens / ((self.step_us + self.draft_us) * 1e-6)
+        return self.batch * (1.0 + self.shape.expected_accepted) / ((self.step_us + self.draft_us) * 1e-6)
 
 
-def candidates(model: AcceptanceModel, curve: StepCurve, batch: int, max_nodes: int | None = None) -> list[Choice]:
-    """Every tree size (best-first trees and chains) the curve covers at this batch."""
-    limit = min(max_nodes or 10 ** 9, curve.max_tree_size(batch))
-    full = best_first_tree(model, limit - 1)
-    chain = best_first_tree(model, limit - 1, chain=True)
-    out = []
-    for size in range(1, limit + 1):
-        for is_chain, source in ((False, full), (True, chain)):
-            if is_chain and size == 1:
-                continue
-            if len(source.parents) < size - 1:
-                continue
-            tree = DraftTree(source.parents[: size - 1], source.ranks[: size - 1], source.probabilities[: size - 1])
-            out.append(Choice(batch, size, is_chain, tree, curve.value(batch, size), curve.draft_cost(batch, tree)))
+def evaluate(shape: Shape, curve: StepCurve, batch: int, drafter: DrafterShape) -> Evaluated:
+    draft = sum(curve.drafter_step(batch, w, drafter) for w in shape.drafter_tokens)
+    return Evaluated(shape, batch, curve.value(batch, shape.nodes_per_request), draft)
+
+
+def plain(curve: StepCurve, batch: int) -> float:
+    """Tokens per second without speculation."""
+    return batch / (curve.value(batch, 1) * 1e-6)
+
+
+def plan(engine: str, model: AcceptanceModel, curve: StepCurve, drafter: DrafterShape = DrafterShape(),
+         max_depth: int = MAX_DEPTH) -> dict:
+    """Per measured batch: the best shape, every shape's rate by N (``by_nodes``: the best shape at each N),
+    and the best fixed chain (one K at every batch, the geometric mean of its rates the largest)."""
+    shapes = engine_shapes(engine, model, max(curve.max_tree_size(b) for b in curve.batches), max_depth)
+    per_batch = {}
+    for batch in curve.batches:
+        limit = curve.max_tree_size(batch)
+        steps = [0.0] + [curve.value(batch, n) for n in range(1, limit + 1)]
+        drafts = {}  # tokens per request -> one drafter step
+
+        def draft(widths):
+            for w in widths:
+                if w not in drafts:
+                    drafts[w] = curve.drafter_step(batch, w, drafter)
+            return sum(drafts[w] for w in widths)
+
+        rated = [Evaluated(s, batch, steps[s.nodes_per_request], draft(s.drafter_tokens)) for s in shapes
+                 if s.nodes_per_request <= limit]
+        if not rated:
+            raise ValueError(f"step curve at batch {batch}: no tree size above 1, no {engine} shape fits")
+        by_nodes = {}
+        for e in rated:
+            if e.shape.nodes_per_request not in by_nodes or e.tokens_per_second > by_nodes[e.shape.nodes_per_request]:
+                by_nodes[e.shape.nodes_per_request] = e.tokens_per_second
+        per_batch[batch] = {"best": max(rated, key=lambda e: e.tokens_per_second), "by_nodes": sorted(by_nodes.items())}
+    chain_lengths = range(1, min(max_depth, min(curve.max_tree_size(b) for b in curve.batches) - 1) + 1)
+    chains = {k: {b: evaluate(s, curve, b, drafter).tokens_per_second for b in curve.batches}
+              for k, s in zip(chain_lengths, _chains(model, 10 ** 9, len(chain_lengths), "vllm"))}
+    fixed = max(chains, key=lambda k: sum(math.log(r) for r in chains[k].values())) if chains else None
+    for batch, info in per_batch.items():
+        info["plain"] = plain(curve, batch)
+        info["fixed_chain"] = chains[fixed][batch] if fixed else info["plain"]
+    return {"fixed_chain": fixed or 0, "batches": per_batch}
+
+
+def serves(batches) -> dict[int, list]:
+    """The batch sizes each measured batch's entry serves (see the module's "Buckets")."""
+    batches = sorted(batches)
+    out = {}
+    for i, b in enumerate(batches):
+        low = batches[i - 1] + 1 if i else 1
+        out[b] = [low, b if i < len(batches) - 1 else None]
     return out
 
 
-def choose(model: AcceptanceModel, curve: StepCurve, batch: int, max_nodes: int | None = None) -> Choice:
-    return max(candidates(model, curve, batch, max_nodes), key=lambda c: c.tokens_per_second)
+def batch_entry(info: dict, served: list, engine: str) -> dict:
+    best: Evaluated = info["best"]
+    shape, tree = best.shape, best.shape.tree()
+    n = shape.nodes_per_request
+    entry = {"batch": best.batch, "serves": served, "shape": "chain" if tree.width <= 1 else "tree",
+             "nodes_per_request": n, "draft_tokens": n - 1, "tokens": best.batch * n, "depth": tree.depth,
+             "width": tree.width, "parents": list(tree.parents), "ranks": list(tree.ranks)}
+    if engine in ("sglang", "vllm"):
+        entry[engine] = dict(shape.settings)
+    rate = best.tokens_per_second
+    entry.update({"expected_accepted": round(shape.expected_accepted, 4),
+                  "expected_tokens_per_round": round(1 + shape.expected_accepted, 4),
+                  "step_us": round(best.step_us, 2), "draft_us": round(best.draft_us, 2),
+                  "tokens_per_second": round(rate, 1),
+                  "speedup_vs_no_speculation": round(rate / info["plain"], 4),
+                  "speedup_vs_fixed_chain": round(rate / info["fixed_chain"], 4)})
+    return entry
 
 
-def plan_budgets(model: AcceptanceModel, curve: StepCurve, max_nodes: int | None = None) -> dict:
-    """Per measured batch: the chosen tree, its gains, and the comparison with fixed budgets."""
-    per_batch = {b: candidates(model, curve, b, max_nodes) for b in curve.batches}
-    sizes = set.intersection(*({c.nodes_per_request for c in cs if not c.chain} for cs in per_batch.values()))
-
-    def best_at(batch, size):
-        return max((c for c in per_batch[batch] if c.nodes_per_request == size),
-                   key=lambda c: c.tokens_per_second)
-
-    def geomean_rate(size):
-        return math.exp(sum(math.log(best_at(b, size).tokens_per_second) for b in per_batch) / len(per_batch))
-
-    fixed = max(sizes, key=geomean_rate)
-    result = {"fixed_budget_nodes_per_request": fixed, "batches": {}}
-    for batch, cs in per_batch.items():
-        best = max(cs, key=lambda c: c.tokens_per_second)
-        plain = best_at(batch, 1)
-        result["batches"][batch] = {
-            "choice": best, "tokens_per_second": best.tokens_per_second,
-            "speedup_vs_no_speculation": best.tokens_per_second / plain.tokens_per_second,
-            "speedup_vs_fixed_budget": best.tokens_per_second / best_at(batch, fixed).tokens_per_second,
-            "curve": [(c.nodes_per_request, c.tokens_per_second) for c in cs if not c.chain],
-        }
-    return result
+def build_budget(model_name: str, workload: AcceptanceModel, engine: str, curve_entry: dict,
+                 drafter: DrafterShape = DrafterShape(), dtype: str = "bf16", tp: int = 1,
+                 curve_name: str | None = None) -> dict:
+    """The database entry of one (model, workload, engine) from the model's step-curve entry."""
+    result = plan(engine, workload, StepCurve(curve_entry["points"]), drafter)
+    ranges = serves(result["batches"])
+    acceptance = {"name": workload.name, "sources": list(workload.sources)}
+    if workload.variant:
+        acceptance["variant"] = workload.variant
+    return {"model": model_name, "dtype": dtype, "tp": tp, "workload": workload.name, "engine": engine,
+            "acceptance": workload.as_dict(), "step_curve": curve_name or step_curve_name(model_name, dtype, tp),
+            "drafter": {"kind": drafter.kind, "layers": drafter.layers}, "fixed_chain": result["fixed_chain"],
+            "batches": {b: batch_entry(info, ranges[b], engine) for b, info in result["batches"].items()},
+            "provenance": {"date": database.now(), "step_curve_date": curve_entry.get("provenance", {}).get("date", ""),
+                           "acceptance": acceptance, "method": METHOD}}
 
 
-def budget_entry(choice: Choice, info: dict) -> dict:
-    t = choice.tree
-    return {
-        "tokens": choice.tokens, "nodes_per_request": choice.nodes_per_request,
-        "draft_nodes_per_request": len(t.parents), "shape": "chain" if t.width <= 1 else "tree",
-        "depth": t.depth, "width": t.width, "expected_mean_accepted": round(t.expected_accepted, 4),
-        "expected_tokens_per_round": round(choice.expected_tokens, 4),
-        "step_us": round(choice.step_us, 2), "draft_us": round(choice.draft_us, 2),
-        "tokens_per_second": round(info["tokens_per_second"], 1),
-        "speedup_vs_no_speculation": round(info["speedup_vs_no_speculation"], 3),
-        "speedup_vs_fixed_budget": round(info["speedup_vs_fixed_budget"], 3),
-        "parents": list(t.parents), "ranks": list(t.ranks),
-    }
+def check_engine(engine) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"engine: unknown {engine!r} (known: {', '.join(ENGINES)})")
+    return engine
 
 
-def build_budgets(model: AcceptanceModel, curve: StepCurve, max_nodes: int | None = None) -> dict:
-    """Database entries per batch (``batches``) and the fixed budget they were compared with."""
-    plan = plan_budgets(model, curve, max_nodes)
-    batches = {}
-    for batch, info in plan["batches"].items():
-        entry = budget_entry(info["choice"], info)
-        entry["chain_length"] = best_chain_length(model, curve, batch)
-        batches[batch] = entry
-    return {"acceptance": model.as_dict(), "fixed_budget_nodes_per_request": plan["fixed_budget_nodes_per_request"],
-            "batches": batches}
+def check_workload(name) -> str:
+    """A shipped acceptance profile's name, or an acceptance YAML file of one's own."""
+    if not isinstance(name, str) or not (name in list_acceptance_models() or
+                                         (name.endswith((".yaml", ".yml")) and Path(name).is_file())):
+        raise ValueError(f"acceptance: unknown workload {name!r} (shipped: {', '.join(list_acceptance_models())}; "
+                         "or an acceptance YAML file)")
+    return name
 
 
-def engine_settings(budgets: dict) -> dict:
-    """SGLang and vLLM settings per batch bucket, from a database budget entry."""
-    sglang, vllm = {}, {}
-    for batch, b in sorted(budgets["batches"].items(), key=lambda kv: int(kv[0])):
-        ranks = b["ranks"]
-        sglang[str(batch)] = {"speculative_num_steps": b["depth"],
-                              "speculative_eagle_topk": max(ranks) if ranks else 1,
-                              "speculative_num_draft_tokens": b["nodes_per_request"]}
-        vllm[str(batch)] = b["chain_length"]
-    return {"sglang": {"per_batch_size": sglang},
-            "vllm": {"num_speculative_tokens_per_batch_size": vllm}}
+def step_curve_name(model_name: str, dtype: str = "bf16", tp: int = 1) -> str:
+    return f"{model_name}/{dtype}" + (f"/TP{tp}" if tp != 1 else "")
 
 
-def export_engine_settings(entry: dict, model_name: str, folder) -> list[Path]:
-    """Write `engine_settings` of a budget entry as ``sglang-<model>.json`` and ``vllm-<model>.json``."""
-    settings = engine_settings(entry)
-    folder, stem = Path(folder), model_name.lower()
-    files = []
-    for engine in ("sglang", "vllm"):
-        path = folder / f"{engine}-{stem}.json"
-        write_text_atomic(path, json.dumps(settings[engine], indent=1) + "\n")
-        files.append(path)
-    return files
+def budget_name(model_name: str, workload: str, engine: str, dtype: str = "bf16", tp: int = 1) -> str:
+    return f"{step_curve_name(model_name, dtype, tp)}/{workload}/{engine}"
 
 
 @dataclass
@@ -249,98 +261,170 @@ class BudgetResult:
 
     slug: str
     path: Path  # the database file written
-    acceptance: AcceptanceModel
     budgets: dict  # budget name -> database entry
-    exported: list[Path]
+    exported: list[Path] = field(default_factory=list)
 
 
-def store_budgets(acceptance="qwen3-next-mtp-gsm8k", models=None, slug: str | None = None, db_dir=None,
-                  export=None) -> BudgetResult:
-    """Choose the tree-token budget per batch size for each model from its stored step curve, store the
-    budgets in the database and, with ``export`` (a folder), write SGLang and vLLM settings files.
+def _drafter_of(name: str) -> DrafterShape:
+    """The model profile's drafter; a model without a profile (a step curve measured from a YAML file of
+    one's own) gets the default, one MTP layer."""
+    try:
+        return resolve_model(name).drafter
+    except ProfileError:
+        return DrafterShape()
 
-    acceptance: an `AcceptanceModel`, or its name or YAML file. models: names or profiles (default: every
-    model with a step curve). slug: the GPU (default: this machine's). The step curves are read as
-    `bole_tune.database.search` reads them; the budgets go to ``<db_dir>/<slug>.yaml``. Nothing is
-    written if a model has no step curve (`LookupError`) or the database is unreadable (`DatabaseError`).
+
+def store_budgets(models=None, workloads=None, engines=None, slug: str | None = None, db_dir=None, export=None,
+                  dtype: str = "bf16", tp: int = 1) -> BudgetResult:
+    """Choose the budget per batch size of every (model, workload, engine) asked for, from the stored step
+    curves, and store them all in one write; with ``export`` (a folder) write each engine's files.
+
+    models: names or profiles (default: every model with a step curve). workloads: acceptance profile names
+    (default: every shipped one). engines: of `ENGINES` (default: all). slug: the GPU (default: this
+    machine's). Curves are read as `bole_tune.database.search` reads them (``db_dir``: that folder alone);
+    the budgets go to ``<db_dir>/<slug>.yaml``, by default the user's database, never the shipped
+    ``tuning_db/`` unless that folder is passed as ``db_dir``. Nothing is written if anything is missing.
     """
-    if not isinstance(acceptance, AcceptanceModel):
-        acceptance = load_acceptance(acceptance)
+    from bole_tune.fingerprint import fingerprint
+
+    workloads = [check_workload(w) for w in (workloads or list_acceptance_models())]
+    engines = [check_engine(e) for e in (engines or ENGINES)]
     slug = slug or fingerprint().slug
+    path = database.database_path(slug, db_dir)
+    if db_dir is None and path.resolve().parent == database.SHIPPED_DIR.resolve():
+        raise ValueError(f"{path}: the shipped tuning_db/ is not written unless passed as db_dir explicitly")
     found = database.search(slug, db_dir)
     if not found.files:
         raise LookupError(f"no tuning database for {slug}: {found.where} (run bole-tune step first)")
     curves = found.entries("step_curves")
-    names = ([(m if isinstance(m, ModelProfile) else resolve_model(m)).name for m in models] if models
-             else [c["model"] for c in curves.values()])
+    if models:
+        names = [(m if isinstance(m, ModelProfile) else resolve_model(m)).name for m in models]
+    else:
+        names = sorted({c["model"] for n, c in curves.items() if n == step_curve_name(c["model"], dtype, tp)})
     budgets = {}
     for name in names:
-        curve = curves.get(f"{name}/bf16")
-        if curve is None:
-            raise LookupError(f"no step curve for {name} in {found.where} (run bole-tune step --model ... first)")
-        entry = build_budgets(acceptance, StepCurve(curve["points"]))
-        entry["step_curve"] = f"{name}/bf16"
-        entry["provenance"] = {"date": database.now(), "step_curve_date": curve["provenance"].get("date", ""),
-                               "acceptance_source": acceptance.source, "method": "best-first trees and chains; "
-                               "tokens/s = B * E[accepted + 1] / (step + draft)"}
-        budgets[budget_name(name)] = entry
-    path = database.database_path(slug, db_dir)
+        curve_name = step_curve_name(name, dtype, tp)
+        if curve_name not in curves:
+            raise LookupError(f"no step curve {curve_name} in {found.where} (run bole-tune step --model ... first)")
+        for workload in workloads:
+            acceptance = load_acceptance(workload, model=name)
+            for engine in engines:
+                budgets[budget_name(name, acceptance.name, engine, dtype, tp)] = build_budget(
+                    name, acceptance, engine, curves[curve_name], _drafter_of(name), dtype, tp, curve_name)
     database.update(path, budgets=budgets)
-    exported = []
-    for name in names if export else ():
-        exported += export_engine_settings(budgets[budget_name(name)], name, export)
-    return BudgetResult(slug, path, acceptance, budgets, exported)
+    result = BudgetResult(slug, path, budgets)
+    if export:
+        from bole_tune.engines.exports import export_engine_settings
+
+        for entry in budgets.values():
+            if entry["engine"] != "bole":
+                result.exported += list(export_engine_settings(entry, export))
+    return result
 
 
-def best_chain_length(model: AcceptanceModel, curve: StepCurve, batch: int) -> int:
-    chains = [c for c in candidates(model, curve, batch) if c.chain or c.nodes_per_request == 1]
-    return len(max(chains, key=lambda c: c.tokens_per_second).tree.parents)
-
+# ---- the runtime lookup -------------------------------------------------------------------------
 
 _cache: dict = {}
+_slugs: dict = {}
+_TORCH_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 
 
-def get_budget(batch_size: int, model: str, device=None, dtype: str = "bf16", tp: int = 1) -> dict:
-    """The tree-token budget an engine should use at ``batch_size`` on this GPU (cached after the first call).
+def _batch_size(value) -> int:
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"batch_size: expected a positive int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"batch_size: expected a positive int, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {value!r}")
+    return value
 
-    Returns the database entry of the batch bucket that holds ``batch_size`` (the largest measured
-    batch for anything above it): tokens, nodes per request, depth, width, the tree's parents, ...
+
+def device_slug(device=None) -> str:
+    """The GPU slug of ``device``: a torch device (or its text, ``"cuda:0"``), None (this machine's current
+    device) or a slug as it is (``"nvidia-h200"``: read another machine's budgets)."""
+    if isinstance(device, str) and not _TORCH_DEVICE.match(device):
+        from bole_tune.fingerprint import slugify
+
+        if slugify(device) != device:
+            raise ValueError(f"device: {device!r} is neither a torch device nor a GPU slug such as 'nvidia-h200'")
+        return device
+    key = str(device)
+    if key not in _slugs:
+        import torch
+
+        from bole_tune.fingerprint import fingerprint
+
+        try:
+            _slugs[key] = fingerprint(None if device is None else torch.device(device)).slug
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device: {device!r}: {error}") from None
+    return _slugs[key]
+
+
+def get_budget(batch_size: int, model: str, device=None, acceptance: str | None = None, engine: str | None = None,
+               dtype: str = "bf16", tp: int = 1) -> dict:
+    """The budget an engine should use at ``batch_size``: the database entry of the bucket that serves it.
+
+    model: a model name (``Qwen3.5-9B`` or ``qwen3.5-9b``). device: a torch device, None (this machine) or a
+    GPU slug (``"nvidia-h200"``). acceptance: the workload's acceptance profile (default
+    `DEFAULT_WORKLOAD`). engine: ``sglang``, ``vllm`` or ``bole`` (default). Returns the batch entry
+    (``nodes_per_request``, ``parents``, ``ranks``, the engine's settings, ``serves``, ...) plus
+    ``budget`` (the entry's name); cached per arguments, do not modify it. Raises ValueError naming the
+    argument, LookupError when the database has no budget for it.
     """
-    key = (batch_size, model, device, dtype, tp)
+    if type(batch_size) is not int:
+        batch_size = _batch_size(batch_size)
+    key = (batch_size, model, device, acceptance, engine, dtype, tp)
     hit = _cache.get(key)
     if hit is not None:
         return hit
-    entry = _lookup_budget(batch_size, model, device, dtype, tp)
+    entry = _lookup(_batch_size(batch_size), model, device, acceptance or DEFAULT_WORKLOAD,
+                    engine or DEFAULT_ENGINE, dtype, tp)
     _cache[key] = entry
     return entry
 
 
-def _budgets_for(slug: str, name: str) -> dict:
-    """The budget entry ``name`` of ``slug`` as `bole_tune.database.search` reads the database."""
+def _lookup(batch_size, model, device, acceptance, engine, dtype, tp) -> dict:
+    check_engine(engine)
+    if not isinstance(acceptance, str):
+        raise ValueError(f"acceptance: expected a workload name such as {DEFAULT_WORKLOAD!r}, got {acceptance!r}")
+    if not isinstance(model, str):
+        raise ValueError(f"model: expected a model name such as 'Qwen3.5-9B', got {model!r}")
+    try:
+        name = resolve_model(model).name
+    except ProfileError as error:
+        raise ValueError(f"model: {error}") from None
+    slug = device_slug(device)
     found = database.search(slug)
+    wanted = budget_name(name, acceptance, engine, dtype, tp)
     budgets = found.entries("budgets")
-    if name not in budgets:
-        raise LookupError(f"no budget for {name} on {slug} in {found.where} (run bole-tune step and bole-tune budget)")
-    return budgets[name]
+    entry = budgets.get(wanted)
+    if entry is None and acceptance not in {*list_acceptance_models(), *(b["workload"] for b in budgets.values())}:
+        raise ValueError(f"acceptance: unknown workload {acceptance!r} "
+                         f"(shipped: {', '.join(list_acceptance_models())})")
+    if entry is None:
+        raise LookupError(f"model: no budget {wanted} on {slug} in {found.where} (run bole-tune step and "
+                          "bole-tune budget)")
+    for batch, b in entry["batches"].items():
+        low, high = b["serves"]
+        if low <= batch_size and (high is None or batch_size <= high):
+            return {**b, "budget": wanted, "batch_bucket": int(batch)}
+    raise LookupError(f"batch_size: {batch_size} is served by no bucket of {wanted} on {slug} ({found.where})")
 
 
-def _lookup_budget(batch_size, model, device, dtype, tp) -> dict:
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-    profile = resolve_model(model)
-    slug = fingerprint(device).slug
-    budgets = _budgets_for(slug, budget_name(profile.name, dtype, tp))
-    by_batch = {int(b): entry for b, entry in budgets["batches"].items()}  # JSON round trips make keys strings
-    batches = sorted(by_batch)
-    chosen = next((b for b in batches if batch_size <= b), batches[-1])
-    return by_batch[chosen] | {"batch_bucket": chosen}
-
-
-def budget_name(model_name: str, dtype: str = "bf16", tp: int = 1) -> str:
-    return f"{model_name}/{dtype}" + (f"/TP{tp}" if tp != 1 else "")
+def budget_lookup_cost_ns(model: str = "Qwen3.5-9B", device="nvidia-h200", calls: int = 100_000, **kwargs) -> float:
+    """Nanoseconds per cached `get_budget` call (after one call that reads the database)."""
+    get_budget(16, model=model, device=device, **kwargs)
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        get_budget(16, model=model, device=device, **kwargs)
+    return (time.perf_counter_ns() - start) / calls
 
 
 def clear_cache() -> None:
     """Forget cached budgets and parsed database files."""
     _cache.clear()
+    _slugs.clear()
     database.clear_cache()

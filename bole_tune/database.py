@@ -18,7 +18,9 @@ Layout (schema version 1)::
     curves:                                                # latency against tree size and batch
       Qwen3.5-9B/tree_verify_tuned/bf16: {model, kernel, dtype, shape, points: [...], provenance}
     budgets:                                               # tree-token budgets (see bole_tune.budget)
-      Qwen3.5-9B/bf16: {acceptance, fixed_budget_nodes_per_request, step_curve, batches: {B: {...}}, provenance}
+      Qwen3.5-9B/bf16/qwen3.5-mtp-mbpp/sglang: {model, dtype, tp, workload, engine, acceptance, step_curve,
+          fixed_chain, batches: {B: {batch, serves, shape, nodes_per_request, parents, ranks, sglang, ...}},
+          provenance}
     step_curves:                                           # whole verification step latency
       Qwen3.5-9B/bf16: {model, dtype, context, layers, points: [{batch, tree_size, step_us, ...}], provenance}
 
@@ -275,20 +277,57 @@ def _step_curve(curve, w: str) -> None:
         for name in STEP_POINT_OPTIONAL_TIMES:
             if name in point:
                 _number(point[name], f"{p}.{name}")
+        if "attention_kernel" in point:
+            _string(point["attention_kernel"], f"{p}.attention_kernel")
         if "attention_variants_us" in point:
             for name, value in _mapping(point["attention_variants_us"], f"{p}.attention_variants_us").items():
                 _number(value, f"{p}.attention_variants_us.{name}", positive=False)
     _mapping(curve.get("provenance"), f"{w}.provenance")
 
 
-BUDGET_COUNTS = ("tokens", "nodes_per_request")
-BUDGET_SIZES = ("draft_nodes_per_request", "depth", "width", "chain_length")
-BUDGET_NUMBERS = ("expected_mean_accepted", "step_us", "draft_us")
+BUDGET_ENGINES = ("sglang", "vllm", "bole")
+BUDGET_COUNTS = ("batch", "tokens", "nodes_per_request")
+BUDGET_SIZES = ("draft_tokens", "depth", "width")
+BUDGET_NUMBERS = ("expected_accepted", "step_us", "draft_us")
 BUDGET_POSITIVE_NUMBERS = ("expected_tokens_per_round", "tokens_per_second", "speedup_vs_no_speculation",
-                           "speedup_vs_fixed_budget")
+                           "speedup_vs_fixed_chain")
+SGLANG_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
-def _budget_batch(entry, p: str, batch: int) -> None:
+def _probabilities(values, where: str, empty: bool = False) -> None:
+    if not isinstance(values, list) or (not values and not empty):
+        raise DatabaseError(f"{where}: expected a {'' if empty else 'non-empty '}list of probabilities, got {values!r}")
+    for i, value in enumerate(values):
+        if _number(value, f"{where}[{i}]", positive=False) > 1:
+            raise DatabaseError(f"{where}[{i}]: expected a probability in [0, 1], got {value!r}")
+
+
+def _budget_engine_settings(entry: dict, p: str, engine: str) -> None:
+    """The engine's own settings of a batch entry, consistent with the tree it describes."""
+    n = entry["nodes_per_request"]
+    for other in ("sglang", "vllm"):
+        if other != engine and other in entry:
+            raise DatabaseError(f"{p}.{other}: a {engine} budget carries no {other} settings")
+    if engine == "vllm":
+        k = _count(_mapping(entry.get("vllm"), f"{p}.vllm").get("num_speculative_tokens"),
+                   f"{p}.vllm.num_speculative_tokens")
+        if k != n - 1 or entry["shape"] != "chain":
+            raise DatabaseError(f"{p}.vllm.num_speculative_tokens: {k} does not describe a chain of "
+                                f"nodes_per_request - 1 = {n - 1} tokens")
+    elif engine == "sglang":
+        flags = _mapping(entry.get("sglang"), f"{p}.sglang")
+        steps, topk, draft = (_count(flags.get(f), f"{p}.sglang.{f}") for f in SGLANG_FLAGS)
+        if draft != n:
+            raise DatabaseError(f"{p}.sglang.speculative_num_draft_tokens: {draft} != nodes_per_request {n}")
+        if topk == 1 and draft != steps + 1:
+            raise DatabaseError(f"{p}.sglang.speculative_num_draft_tokens: with topk 1 SGLang uses num_steps + 1 "
+                                f"= {steps + 1}, not {draft}")
+        if draft - 1 > topk + (steps - 1) * topk * topk or entry["depth"] > steps:
+            raise DatabaseError(f"{p}.sglang: {steps} steps of top-{topk} beam search cannot propose this tree")
+
+
+def _budget_batch(entry, p: str, batch: int, engine: str) -> tuple[int, object]:
+    """Check one batch entry; return its ``serves`` range."""
     entry = _mapping(entry, p)
     for name in BUDGET_COUNTS:
         _count(entry.get(name), f"{p}.{name}")
@@ -298,49 +337,86 @@ def _budget_batch(entry, p: str, batch: int) -> None:
         _number(entry.get(name), f"{p}.{name}", positive=False)
     for name in BUDGET_POSITIVE_NUMBERS:
         _number(entry.get(name), f"{p}.{name}")
+    if entry["batch"] != batch:
+        raise DatabaseError(f"{p}.batch: {entry['batch']} under the key {batch}")
     if entry["tokens"] != batch * entry["nodes_per_request"]:
         raise DatabaseError(f"{p}.tokens: expected batch x nodes_per_request = {batch * entry['nodes_per_request']}, "
                             f"got {entry['tokens']}")
     if entry.get("shape") not in ("chain", "tree"):
         raise DatabaseError(f"{p}.shape: expected 'chain' or 'tree', got {entry.get('shape')!r}")
-    drafts = entry["draft_nodes_per_request"]
+    drafts = entry["draft_tokens"]
     if drafts != entry["nodes_per_request"] - 1:
-        raise DatabaseError(f"{p}.draft_nodes_per_request: expected nodes_per_request - 1, got {drafts}")
+        raise DatabaseError(f"{p}.draft_tokens: expected nodes_per_request - 1, got {drafts}")
+    if abs(entry["expected_tokens_per_round"] - 1 - entry["expected_accepted"]) > 1e-3:
+        raise DatabaseError(f"{p}.expected_tokens_per_round: expected 1 + expected_accepted")
     for name in ("parents", "ranks"):
         values = entry.get(name)
         if not isinstance(values, list) or len(values) != drafts:
             raise DatabaseError(f"{p}.{name}: expected a list of {drafts} ints, got {values!r}")
+    depths = []
     for i, (parent, rank) in enumerate(zip(entry["parents"], entry["ranks"])):
         if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < i:
             raise DatabaseError(f"{p}.parents[{i}]: expected -1 or an earlier node, got {parent!r}")
         _count(rank, f"{p}.ranks[{i}]")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    if entry["depth"] != max(depths, default=0):
+        raise DatabaseError(f"{p}.depth: the tree's parents give depth {max(depths, default=0)}")
+    if entry["width"] != max((depths.count(d) for d in set(depths)), default=0):
+        raise DatabaseError(f"{p}.width: not the most nodes at one depth of the tree's parents")
+    if (entry["shape"] == "chain") != (entry["width"] <= 1):
+        raise DatabaseError(f"{p}.shape: {entry['shape']!r} but the tree's width is {entry['width']}")
+    _budget_engine_settings(entry, p, engine)
+    served = entry.get("serves")
+    if (not isinstance(served, list) or len(served) != 2 or
+            (served[1] is not None and _count(served[1], f"{p}.serves[1]") != batch)):
+        raise DatabaseError(f"{p}.serves: expected [low, {batch}] (or [low, null] for the largest batch), got {served!r}")
+    return _count(served[0], f"{p}.serves[0]"), served[1]
 
 
-def _budget(budget, w: str) -> None:
-    """What `get_budget`, the engine exports and ``report`` read of a budget."""
+def _budget(name: str, budget, w: str) -> None:
+    """What `get_budget`, the engine exports and ``report`` read of a budget (see `bole_tune.budget`)."""
     budget = _mapping(budget, w)
+    engine = budget.get("engine")
+    if engine not in BUDGET_ENGINES:
+        raise DatabaseError(f"{w}.engine: expected one of {', '.join(BUDGET_ENGINES)}, got {engine!r}")
+    _string(budget.get("model"), f"{w}.model")
+    _string(budget.get("workload"), f"{w}.workload")
+    if budget.get("dtype") not in DTYPES:
+        raise DatabaseError(f"{w}.dtype: expected one of {', '.join(DTYPES)}, got {budget.get('dtype')!r}")
+    tp = _count(budget.get("tp"), f"{w}.tp")
+    expected = (f"{budget['model']}/{budget['dtype']}" + (f"/TP{tp}" if tp != 1 else "")
+                + f"/{budget['workload']}/{engine}")
+    if name != expected:
+        raise DatabaseError(f"{w}: the name of a budget is <model>/<dtype>[/TP<n>]/<workload>/<engine>; its fields "
+                            f"say {expected}")
     acceptance = _mapping(budget.get("acceptance"), f"{w}.acceptance")
     _string(acceptance.get("name"), f"{w}.acceptance.name")
-    for name in ("depth_acceptance", "rank_share"):
-        values = acceptance.get(name)
-        if not isinstance(values, list) or not values:
-            raise DatabaseError(f"{w}.acceptance.{name}: expected a non-empty list of probabilities, got {values!r}")
-        for i, value in enumerate(values):
-            if _number(value, f"{w}.acceptance.{name}[{i}]", positive=False) > 1:
-                raise DatabaseError(f"{w}.acceptance.{name}[{i}]: expected a probability in [0, 1], got {value!r}")
-    _count(budget.get("fixed_budget_nodes_per_request"), f"{w}.fixed_budget_nodes_per_request")
-    if "step_curve" in budget:
-        _string(budget["step_curve"], f"{w}.step_curve")
+    _probabilities(acceptance.get("depth_acceptance"), f"{w}.acceptance.depth_acceptance")
+    _probabilities(acceptance.get("alternative_share"), f"{w}.acceptance.alternative_share", empty=True)
+    _probabilities([acceptance.get("branch_continuation")], f"{w}.acceptance.branch_continuation")
+    _count(budget.get("fixed_chain"), f"{w}.fixed_chain", positive=False)
+    _string(budget.get("step_curve"), f"{w}.step_curve")
     batches = _mapping(budget.get("batches"), f"{w}.batches")
     if not batches:
         raise DatabaseError(f"{w}.batches: expected at least one batch size")
+    ranges = {}
     for key, entry in batches.items():
-        _budget_batch(entry, f"{w}.batches.{key}", _batch_key(key, f"{w}.batches.{key}"))
+        batch = _batch_key(key, f"{w}.batches.{key}")
+        ranges[batch] = (key, _budget_batch(entry, f"{w}.batches.{key}", batch, engine))
+    previous = 0
+    for i, batch in enumerate(sorted(ranges)):
+        key, (low, high) = ranges[batch]
+        last = i == len(ranges) - 1
+        if low != previous + 1 or (high is None) != last:
+            raise DatabaseError(f"{w}.batches.{key}.serves: expected [{previous + 1}, {'null' if last else batch}] "
+                                "(each bucket serves the batch sizes above the previous one up to its own; the "
+                                "largest every size above)")
+        previous = batch
     _mapping(budget.get("provenance"), f"{w}.provenance")
 
 
 _SECTION_CHECKS = {"curves": lambda name, entry, w: _curve(entry, w), "configs": _config_entry,
-                   "budgets": lambda name, entry, w: _budget(entry, w),
+                   "budgets": _budget,
                    "step_curves": lambda name, entry, w: _step_curve(entry, w)}
 
 

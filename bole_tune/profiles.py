@@ -45,6 +45,18 @@ class FFNShape:
     shared_intermediate_size: int = 0
 
 
+DRAFTER_KINDS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter a model ships with. ``mtp``: multi-token prediction, ``layers`` decoder layers of the
+    target's kind (full attention and its FFN) plus the shared LM head, run once per draft step."""
+
+    kind: str = "mtp"
+    layers: int = 1
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     key: str  # file stem, e.g. "qwen3.5-9b"
@@ -57,6 +69,7 @@ class ModelProfile:
     gdn: HeadShape  # the whole model's GDN heads (before any tensor-parallel split)
     conv_width: int  # the GDN layer's short causal convolution
     ffn: FFNShape
+    drafter: DrafterShape = DrafterShape()
 
     @property
     def num_attention_layers(self) -> int:
@@ -141,7 +154,7 @@ def load_model(name_or_path: str) -> ModelProfile:
             raise ProfileError(f"model {name_or_path!r}: unknown (known: {', '.join(list_models())})")
     f = Fields(read_yaml(path), path)
     f.reject_unknown({"name", "hidden_size", "num_layers", "layers_per_attention", "vocab_size", "weights_gb",
-                      "attention", "gdn", "ffn"})
+                      "attention", "gdn", "ffn", "drafter"})
     attention = f.sub("attention")
     attention.reject_unknown({"num_heads", "num_kv_heads", "head_dim"})
     gdn = f.sub("gdn")
@@ -158,6 +171,14 @@ def load_model(name_or_path: str) -> ModelProfile:
                              shared_intermediate_size=ffn.get("shared_intermediate_size", int))
     else:
         raise ProfileError(f"{path}: ffn.kind: expected 'dense' or 'moe', got {kind!r}")
+    drafter = DrafterShape()
+    if "drafter" in f.data:
+        d = f.sub("drafter")
+        d.reject_unknown({"kind", "layers"})
+        kind = d.get("kind", str)
+        if kind not in DRAFTER_KINDS:
+            raise ProfileError(f"{path}: drafter.kind: expected one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
+        drafter = DrafterShape(kind, d.get("layers", int))
     hk, hv = gdn.get("num_key_heads", int), gdn.get("num_value_heads", int)
     if hv % hk:
         raise ProfileError(f"{path}: gdn.num_value_heads: {hv} is not a multiple of num_key_heads {hk}")
@@ -170,6 +191,7 @@ def load_model(name_or_path: str) -> ModelProfile:
         gdn=HeadShape(hk=hk, hv=hv, dk=gdn.get("key_head_dim", int), dv=gdn.get("value_head_dim", int)),
         conv_width=gdn.get("conv_width", int),
         ffn=ffn_shape,
+        drafter=drafter,
     )
     return profile
 

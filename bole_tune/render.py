@@ -121,38 +121,47 @@ def step(result) -> Table:
     return t
 
 
-def budgets(result) -> Table:
-    """The budgets `bole_tune.budget.store_budgets` chose, per model and batch."""
-    t = table(f"tree-token budgets on {result.slug} (acceptance model {result.acceptance.name})",
-              ("model", "B", "N", "per req", "shape", "depth", "width", "MAT", "tok/s", "x plain", "x fixed"),
-              left=("model", "shape"))
-    for name, entry in result.budgets.items():
-        for batch, b in entry["batches"].items():
-            t.add_row(name.split("/")[0], str(batch), str(b["tokens"]), str(b["nodes_per_request"]), b["shape"],
-                      str(b["depth"]), str(b["width"]), f"{b['expected_mean_accepted']:.2f}",
+def numbers(values, digits: int = 3) -> str:
+    return ", ".join(f"{v:.{digits}f}" for v in values)
+
+
+def shape_text(b: dict) -> str:
+    """A budget batch entry's shape as the engine is told it: SGLang's (steps, topk, draft tokens), vLLM's K,
+    or the tree's nodes per request, depth and width."""
+    if "sglang" in b:
+        f = b["sglang"]
+        return (f"s{f['speculative_num_steps']} k{f['speculative_eagle_topk']} "
+                f"n{f['speculative_num_draft_tokens']}")
+    if "vllm" in b:
+        return f"K={b['vllm']['num_speculative_tokens']}"
+    return f"{b['shape']} {b['nodes_per_request']} d{b['depth']} w{b['width']}"
+
+
+def budget_tables(budgets: dict, where: str, prefix: str = "") -> list[Table]:
+    """One table per model: per workload, engine and batch, the chosen shape and what it gains."""
+    tables = {}
+    for entry in budgets.values():
+        if entry["model"] not in tables:
+            tables[entry["model"]] = table(f"{prefix}{entry['model']} on {where}: chosen shapes (sglang: steps, topk, draft "
+                                           "tokens; x chain: against the best fixed chain)",
+                                           ("workload", "engine", "B", "shape", "E[acc]", "tok/s", "x plain",
+                                            "x chain"), left=("workload", "engine", "shape"))
+        t = tables[entry["model"]]
+        for batch, b in sorted(entry["batches"].items(), key=lambda kv: int(kv[0])):
+            t.add_row(entry["workload"], entry["engine"], str(batch), shape_text(b), f"{b['expected_accepted']:.2f}",
                       f"{b['tokens_per_second']:.0f}", f"{b['speedup_vs_no_speculation']:.2f}x",
-                      f"{b['speedup_vs_fixed_budget']:.2f}x")
-    return t
+                      f"{b['speedup_vs_fixed_chain']:.2f}x")
+    return list(tables.values())
 
 
-def report_summary(data: dict) -> Table:
-    """Per model and batch: plain decoding, the chosen budget and what it gains."""
-    t = table(f"summary: {data.get('device', {}).get('name', '')}", ("model", "B", "plain step ms", "chosen",
-              "step ms", "E[MAT]", "tokens/s", "x plain", "GDN via serial: step ms"), left=("model", "chosen"))
-    step_curves = data.get("step_curves", {})
-    for name, budget in data.get("budgets", {}).items():
-        points = {(p["batch"], p["tree_size"]): p
-                  for p in step_curves.get(budget.get("step_curve", ""), {}).get("points", [])}
-        for batch, b in sorted(budget["batches"].items(), key=lambda kv: int(kv[0])):
-            plain = points.get((int(batch), 1), {}).get("step_us")
-            near = min((p for (pb, _), p in points.items() if pb == int(batch) and "step_serial_us" in p),
-                       key=lambda p: abs(p["tree_size"] - b["nodes_per_request"]), default=None)
-            t.add_row(name.split("/")[0], str(batch), f"{plain / 1000:.2f}" if plain else "-",
-                      f"{b['nodes_per_request']} ({b['shape']})", f"{b['step_us'] / 1000:.2f}",
-                      f"{b['expected_mean_accepted']:.2f}", f"{b['tokens_per_second']:.0f}",
-                      f"{b['speedup_vs_no_speculation']:.2f}x",
-                      f"{near['step_serial_us'] / 1000:.2f} (T={near['tree_size']})" if near else "-")
-    return t
+def budgets(result) -> list[Table]:
+    """The budgets `bole_tune.budget.store_budgets` chose."""
+    return budget_tables(result.budgets, result.slug)
+
+
+def report_summary(data: dict) -> list[Table]:
+    """The budgets of a database (as `bole_tune.database.search` returns it)."""
+    return budget_tables(data.get("budgets", {}), data.get("device", {}).get("name", ""), "summary: ")
 
 
 def bench_progress(rows) -> str:

@@ -1,9 +1,11 @@
 """Plots a person wants to see, from one tuning database: PNG and SVG of each.
 
-1. step latency against verified tokens per batch size, with the near-free region (within 10% of the
-   step at N = B) shaded;
-2. expected tokens per second against the tree budget per batch size, with the chosen point;
-3. the verification step with tree_verify against serial_verify.
+1. ``step_latency``: step latency against verified tokens per batch size, with the near-free region
+   (within 10% of the step at N = B) shaded;
+2. ``budget-<model>``, one per model with budgets: a panel per workload (rows) and engine (columns),
+   expected tokens per second against the budget (verified tokens per request; at each, the best shape
+   the engine can build) per batch size, the chosen point starred;
+3. ``tree_vs_serial``: the verification step with tree_verify against serial_verify.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bole_tune.acceptance import AcceptanceModel
-from bole_tune.budget import StepCurve, plan_budgets
+from bole_tune.budget import ENGINES, StepCurve, plan
+from bole_tune.fingerprint import slugify
+from bole_tune.profiles import DrafterShape
 
 NEAR_FREE = 1.10  # a step within 10% of plain decoding's counts as near free
 
@@ -23,6 +27,16 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _plain_numbers(leading=None):
+    """Tick labels as plain numbers (not 2^k or 3x10^0); ``leading``: label only values of these first digits."""
+    from matplotlib.ticker import FuncFormatter
+
+    def text(value, _):
+        return f"{value:g}" if leading is None or f"{value:e}"[0] in leading else ""
+
+    return FuncFormatter(text)
 
 
 def _save(fig, out: Path, stem: str) -> list[Path]:
@@ -44,6 +58,7 @@ def _panels(plt, count: int):
 
 def _finish(ax, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(_plain_numbers())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -73,26 +88,14 @@ def write_report(data: dict, out) -> list[Path]:
                 f"{curve['model']} on {device}\n(shaded: within 10% of plain decoding)")
     files += _save(fig, out, "step_latency")
 
-    budgets = data.get("budgets", {})
-    if budgets:
-        fig, axes = _panels(plt, len(budgets))
-        for ax, (name, budget) in zip(axes, budgets.items()):
-            if budget.get("step_curve") not in curves:
-                raise ValueError(f"budgets.{name}.step_curve: no step curve {budget.get('step_curve')!r} in the "
-                                 "database (run bole-tune step, then bole-tune budget)")
-            a = budget["acceptance"]
-            model = AcceptanceModel(a["name"], tuple(a["depth_acceptance"]), tuple(a["rank_share"]))
-            plan = plan_budgets(model, StepCurve(curves[budget["step_curve"]]["points"]))
-            for batch, info in sorted(plan["batches"].items()):
-                xs, ys = zip(*info["curve"])
-                line, = ax.plot(xs, [y / 1000 for y in ys], label=f"B={batch}")
-                chosen = info["choice"]
-                ax.plot([chosen.nodes_per_request], [chosen.tokens_per_second / 1000], marker="*", markersize=12,
-                        color=line.get_color())
-            _finish(ax, "verified tokens per request (tree budget)", "expected tokens/s (thousands)",
-                    f"{name}: chosen budget (star)\nacceptance {a['name']}")
-        files += _save(fig, out, "budget")
-
+    by_model = {}
+    for name, budget in data.get("budgets", {}).items():
+        if budget["step_curve"] not in curves:
+            raise ValueError(f"budgets.{name}.step_curve: no step curve {budget['step_curve']!r} in the database "
+                             "(run bole-tune step, then bole-tune budget)")
+        by_model.setdefault(budget["model"], []).append(budget)
+    for model, budgets in by_model.items():
+        files += _save(_budget_figure(plt, model, budgets, curves, device), out, f"budget-{slugify(model)}")
     serial = {n: c for n, c in curves.items() if any("step_serial_us" in p for p in c["points"])}
     if serial:
         fig, axes = _panels(plt, len(serial))
@@ -109,3 +112,33 @@ def write_report(data: dict, out) -> list[Path]:
                     f"{curve['model']}\nGDN layers: tree (solid), serial (dashed)", legend_size=7)
         files += _save(fig, out, "tree_vs_serial")
     return files
+
+
+def _budget_figure(plt, model: str, budgets: list[dict], curves: dict, device: str):
+    """Rows: workloads; columns: engines; per batch, tokens/s against tokens per request, chosen starred."""
+    workloads = sorted({b["workload"] for b in budgets})
+    engines = [e for e in ENGINES if any(b["engine"] == e for b in budgets)]
+    fig, axes = plt.subplots(len(workloads), len(engines), figsize=(5 * len(engines), 3.8 * len(workloads)),
+                             squeeze=False)
+    for budget in budgets:
+        ax = axes[workloads.index(budget["workload"])][engines.index(budget["engine"])]
+        drafter = DrafterShape(**budget.get("drafter", {}))
+        result = plan(budget["engine"], AcceptanceModel.from_dict(budget["acceptance"]),
+                      StepCurve(curves[budget["step_curve"]]["points"]), drafter)
+        for batch, info in sorted(result["batches"].items()):
+            xs, ys = zip(*info["by_nodes"])
+            line, = ax.plot(xs, [y / 1000 for y in ys], label=f"B={batch}")
+            best = info["best"]
+            ax.plot([best.shape.nodes_per_request], [best.tokens_per_second / 1000], marker="*", markersize=13,
+                    color=line.get_color(), markeredgecolor="black")
+            if result["fixed_chain"]:
+                ax.plot([result["fixed_chain"] + 1], [info["fixed_chain"] / 1000], marker="x", markersize=8,
+                        color=line.get_color())
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_plain_numbers())
+        ax.yaxis.set_minor_formatter(_plain_numbers(leading="25"))
+        _finish(ax, "verified tokens per request (budget)", "expected tokens/s (thousands)",
+                f"{budget['workload']}, {budget['engine']}", legend_size=7)
+    fig.suptitle(f"{model} on {device}: expected tokens/s per budget (star: chosen; x: the best fixed chain)")
+    fig.tight_layout()
+    return fig

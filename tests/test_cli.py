@@ -158,17 +158,16 @@ def test_step_budget_report_and_calibrate(tmp_path):
     assert all(p["step_us"] == pytest.approx(6 * p["gdn_us"] + 2 * p["attention_us"] + p["lm_head_us"], rel=1e-3)
                for p in points)
     slug = path.stem
-    out = tmp_path / "engines"
-    result = run("budget", "--gpu", slug, "--db-dir", str(db), "--export", str(out))
+    result = run("budget", "--gpu", slug, "--db-dir", str(db), "--engine", "sglang", "--acceptance",
+                 "qwen3.5-mtp-mbpp")
     assert result.returncode == 0, result.stderr
-    budgets = database.load(path)["budgets"]["Tiny-MoE/bf16"]
-    sglang = json.loads((out / "sglang-tiny-moe.json").read_text())["per_batch_size"]
-    assert {int(b) for b in sglang} == {1, 4}
-    assert sglang["4"]["speculative_num_draft_tokens"] == budgets["batches"][4]["nodes_per_request"]
+    batches = database.load(path)["budgets"]["Tiny-MoE/bf16/qwen3.5-mtp-mbpp/sglang"]["batches"]
+    assert set(batches) == {1, 4}
+    assert batches[4]["sglang"]["speculative_num_draft_tokens"] == batches[4]["nodes_per_request"]
     report = run("report", "--gpu", slug, "--db-dir", str(db), "--out", str(tmp_path / "plots"))
     assert report.returncode == 0, report.stderr
     assert "summary" in report.stdout and "Tiny-MoE" in report.stdout
-    for stem in ("step_latency", "budget", "tree_vs_serial"):
+    for stem in ("step_latency", "budget-tiny-moe", "tree_vs_serial"):
         for suffix in ("png", "svg"):
             assert (tmp_path / "plots" / f"{stem}.{suffix}").stat().st_size > 1000
     log = tmp_path / "rounds.jsonl"
@@ -184,7 +183,7 @@ def test_step_budget_report_and_calibrate(tmp_path):
 def test_budget_and_calibrate_usage_errors(tmp_path):
     assert_usage_error(run("calibrate", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     assert_usage_error(run("budget", "--gpu", "no-such-gpu", "--db-dir", str(tmp_path)), "no tuning database")
-    assert_usage_error(run("budget", "--acceptance", "nope"), "acceptance model 'nope'")
+    assert_usage_error(run("budget", "--acceptance", "nope"), "acceptance: unknown workload 'nope'")
 
 
 def test_a_recording_without_a_config_the_tuner_asks_for_is_one_line(tmp_path):

@@ -227,47 +227,64 @@ def test_each_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
     assert len(parsed) == 3
 
 
+B = "M/bf16/w/sglang"  # a budget's name: <model>/<dtype>/<workload>/<engine>
+
+
 def _with_budget_and_step_curve(path):
     from bole_tune.acceptance import AcceptanceModel
-    from bole_tune.budget import StepCurve, build_budgets
+    from bole_tune.budget import build_budget
 
     points = [{"batch": b, "tree_size": t, "tokens": b * t, "gdn_us": 1.0 + t, "attention_us": 5.0,
                "lm_head_us": 5.0, "step_us": 100.0 + b * t, "gdn_serial_us": 2.0 + t, "step_serial_us": 200.0 + b * t}
               for b in (1, 4) for t in (1, 2, 4, 8)]
     step = {"model": "M", "dtype": "bf16", "context": 64, "layers": {"gdn": 3, "attention": 1},
             "measured_by": "layer groups, summed", "points": points, "provenance": {"date": "d"}}
-    budget = build_budgets(AcceptanceModel("a", (0.8, 0.6), (1.0, 0.1)), StepCurve(points))
-    budget.update(step_curve="M/bf16", provenance={"date": "d"})
-    database.update(path, step_curves={"M/bf16": step}, budgets={"M/bf16": budget})
+    budget = build_budget("M", AcceptanceModel("w", (0.9, 0.8), (0.4, 0.2)), "sglang", step)
+    database.update(path, step_curves={"M/bf16": step}, budgets={B: budget})
     return yaml.safe_load(path.read_text())
 
 
+def _tree_batch(d):
+    """The batch entry of the test budget whose chosen shape is a tree (topk > 1)."""
+    return next(b for b in d["budgets"][B]["batches"].values() if b["sglang"]["speculative_eagle_topk"] > 1)
+
+
 @pytest.mark.parametrize("mutate, field", [
-    (lambda d: d["budgets"]["M/bf16"]["batches"][4].pop("tokens"), "budgets.M/bf16.batches.4.tokens"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][4].update(depth="2"), "budgets.M/bf16.batches.4.depth"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(parents=[5]), "budgets.M/bf16.batches.1.parents"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(ranks=[]), "budgets.M/bf16.batches.1.ranks"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(chain_length=-1), "budgets.M/bf16.batches.1.chain_length"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(shape="star"), "budgets.M/bf16.batches.1.shape"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"][1].update(tokens_per_second=0), "batches.1.tokens_per_second"),
-    (lambda d: d["budgets"]["M/bf16"]["batches"].update({"x": {}}), "budgets.M/bf16.batches.x"),
-    (lambda d: d["budgets"]["M/bf16"]["acceptance"].update(rank_share=[1.5]), "acceptance.rank_share[0]"),
-    (lambda d: d["budgets"]["M/bf16"].pop("provenance"), "budgets.M/bf16.provenance"),
+    (lambda d: d["budgets"][B]["batches"][4].pop("tokens"), f"budgets.{B}.batches.4.tokens"),
+    (lambda d: d["budgets"][B]["batches"][4].update(depth="2"), f"budgets.{B}.batches.4.depth"),
+    (lambda d: d["budgets"][B]["batches"][1].update(parents=[5] * d["budgets"][B]["batches"][1]["draft_tokens"]),
+     f"budgets.{B}.batches.1.parents[0]"),
+    (lambda d: d["budgets"][B]["batches"][1].update(ranks=[]), f"budgets.{B}.batches.1.ranks"),
+    (lambda d: d["budgets"][B]["batches"][1].update(draft_tokens=-1), f"budgets.{B}.batches.1.draft_tokens"),
+    (lambda d: d["budgets"][B]["batches"][1].update(shape="star"), f"budgets.{B}.batches.1.shape"),
+    (lambda d: d["budgets"][B]["batches"][1].update(tokens_per_second=0), "batches.1.tokens_per_second"),
+    (lambda d: d["budgets"][B]["batches"].update({"x": {}}), f"budgets.{B}.batches.x"),
+    (lambda d: d["budgets"][B]["acceptance"].update(depth_acceptance=[1.5]), "acceptance.depth_acceptance[0]"),
+    (lambda d: d["budgets"][B].pop("provenance"), f"budgets.{B}.provenance"),
+    (lambda d: d["budgets"][B].update(engine="trt"), f"budgets.{B}.engine"),
+    (lambda d: d["budgets"][B].update(workload="other"), f"budgets.{B}: the name of a budget"),
+    (lambda d: d["budgets"][B]["batches"][4].update(serves=[3, None]), f"budgets.{B}.batches.4.serves"),
+    (lambda d: d["budgets"][B]["batches"][1].update(serves=[1, 4]), f"budgets.{B}.batches.1.serves"),
+    (lambda d: _tree_batch(d)["sglang"].update(speculative_eagle_topk=1), "sglang.speculative_num_draft_tokens"),
+    (lambda d: _tree_batch(d)["sglang"].update(speculative_num_steps=1), ".sglang: 1 steps"),
+    (lambda d: d["budgets"][B]["batches"][1].update(vllm={"num_speculative_tokens": 1}), "batches.1.vllm"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][2].pop("lm_head_us"), "step_curves.M/bf16.points[2].lm_head_us"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][0].update(batch=0), "step_curves.M/bf16.points[0].batch"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(tokens=7), "step_curves.M/bf16.points[1].tokens"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_us=-1.0), "step_curves.M/bf16.points[1].step_us"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_serial_us="a"), "points[1].step_serial_us"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(attention_kernel=3), "points[1].attention_kernel"),
     (lambda d: d["step_curves"]["M/bf16"].update(points=[]), "step_curves.M/bf16.points"),
     (lambda d: d["step_curves"]["M/bf16"].update(dtype="int4"), "step_curves.M/bf16.dtype"),
     (lambda d: d["step_curves"]["M/bf16"].pop("model"), "step_curves.M/bf16.model"),
-], ids=["no-tokens", "depth-text", "parent-ahead", "ranks-short", "chain-negative", "shape", "zero-rate",
-        "batch-key", "acceptance", "budget-provenance", "no-lm-head", "batch-0", "tokens", "negative-step",
-        "serial-text", "no-points", "dtype", "no-model"])
+], ids=["no-tokens", "depth-text", "parent-ahead", "ranks-short", "drafts-negative", "shape", "zero-rate",
+        "batch-key", "acceptance", "budget-provenance", "engine", "name", "serves-low", "serves-high", "sglang-topk1",
+        "sglang-steps", "other-engine", "no-lm-head", "batch-0", "tokens", "negative-step", "serial-text",
+        "attention-kernel", "no-points", "dtype", "no-model"])
 def test_budgets_and_step_curves_are_validated_naming_file_and_field(tmp_path, mutate, field):
     path = tmp_path / "gpu.yaml"
     data = _with_budget_and_step_curve(path)
-    assert set(database.load(path)["budgets"]["M/bf16"]["batches"]) == {1, 4}
+    assert set(database.load(path)["budgets"][B]["batches"]) == {1, 4}
     mutate(data)
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(DatabaseError) as info:
@@ -279,11 +296,11 @@ def test_budget_batches_keyed_by_strings_load(tmp_path):
     """JSON round trips turn batch keys into strings: those are read as the batch sizes they name."""
     path = tmp_path / "gpu.yaml"
     data = _with_budget_and_step_curve(path)
-    data["budgets"]["M/bf16"]["batches"] = {str(b): e for b, e in data["budgets"]["M/bf16"]["batches"].items()}
+    data["budgets"][B]["batches"] = {str(b): e for b, e in data["budgets"][B]["batches"].items()}
     path.write_text(yaml.safe_dump(data))
-    assert set(database.load(path)["budgets"]["M/bf16"]["batches"]) == {"1", "4"}
+    assert set(database.load(path)["budgets"][B]["batches"]) == {"1", "4"}
 
 
 def test_the_shipped_database_loads():
     data = database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")
-    assert len(data["configs"]) == 108 and data["budgets"] and data["step_curves"]
+    assert len(data["configs"]) == 108 and data["step_curves"]

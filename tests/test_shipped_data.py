@@ -23,9 +23,10 @@ SHIPPED_FILES = sorted(SHIPPED.glob("*.yaml"))
 H200_EXHAUSTIVE = ROOT / "benchmarks" / "h200-2026-11-29" / "exhaustive-9b.json"
 
 # what the runtime reads of a budget's batch entry: `get_budget` returns it (tokens, nodes per request,
-# the tree's depth, width, parents and ranks), `engine_settings` turns it into SGLang/vLLM settings
-BUDGET_BATCH_FIELDS = ("tokens", "nodes_per_request", "draft_nodes_per_request", "shape", "depth", "width",
-                       "parents", "ranks", "chain_length", "step_us", "tokens_per_second")
+# the tree's depth, width, parents and ranks, the batch sizes it serves), the engine exports read the rest
+BUDGET_BATCH_FIELDS = ("batch", "serves", "tokens", "nodes_per_request", "draft_tokens", "shape", "depth", "width",
+                       "parents", "ranks", "expected_accepted", "step_us", "draft_us", "tokens_per_second",
+                       "speedup_vs_no_speculation", "speedup_vs_fixed_chain")
 # what `StepCurve` and the budget planner read of a step-curve point
 STEP_POINT_FIELDS = ("batch", "tree_size", "step_us", "gdn_us", "attention_us", "lm_head_us")
 
@@ -60,9 +61,9 @@ def test_shipped_database_loads_and_validates(path):
             missing = [f for f in BUDGET_BATCH_FIELDS if f not in info]
             assert not missing, f"{where}.batches.{batch}: missing {missing}"
             assert info["tokens"] == int(batch) * info["nodes_per_request"]
-            assert len(info["parents"]) == len(info["ranks"]) == info["draft_nodes_per_request"]
-        settings = budget.engine_settings(entry)
-        assert set(settings["sglang"]["per_batch_size"]) == {str(b) for b in entry["batches"]}
+            assert len(info["parents"]) == len(info["ranks"]) == info["draft_tokens"]
+            if entry["engine"] in ("sglang", "vllm"):
+                assert entry["engine"] in info, f"{where}.batches.{batch}: no {entry['engine']} settings"
         curve_name = entry.get("step_curve", name)
         assert curve_name in data["step_curves"], f"{where}.step_curve: no step curve {curve_name!r}"
     for name, entry in data["step_curves"].items():
@@ -74,6 +75,22 @@ def test_shipped_database_loads_and_validates(path):
         for b in curve.batches:
             for field in STEP_POINT_FIELDS[2:]:
                 assert curve.value(b, curve.max_tree_size(b), field) >= 0
+
+
+def test_every_model_workload_and_engine_has_a_shipped_h200_budget(shipped_db):
+    """`get_budget` answers from the shipped database for every shipped model, workload and engine at every
+    batch size, the entry serving that batch size, on this CPU machine (device given as the GPU's slug)."""
+    from bole_tune.acceptance import list_acceptance_models
+    from bole_tune.profiles import DEFAULT_MODELS, resolve_model
+
+    for model in DEFAULT_MODELS:
+        for workload in list_acceptance_models():
+            for engine in budget.ENGINES:
+                for batch_size in (1, 3, 16, 33, 200):
+                    entry = budget.get_budget(batch_size, model=resolve_model(model).name, device="nvidia-h200",
+                                              acceptance=workload, engine=engine)
+                    lo, hi = entry["serves"]
+                    assert lo <= batch_size and (hi is None or batch_size <= hi), (model, workload, engine, entry)
 
 
 @pytest.mark.parametrize("path", SHIPPED_FILES, ids=lambda p: p.name)
