@@ -74,7 +74,7 @@ def cmd_bench(args) -> int:
     models = [_call(resolve_model, m) for m in (args.model or ["qwen3.5-9b"])]
 
     run = run_cases(models, args.batch, args.tree_size, DTYPES[args.dtype], args.max_depth, args.repeats,
-                    serial=not args.no_serial, commit=not args.no_commit,
+                    serial=not args.no_serial, commit=not args.no_commit, chain=args.chain,
                     progress=lambda rows: console.print(render.bench_progress(rows)))
     env = run.environment
     console.print(f"[yellow]{run.cpu_note}[/]" if run.cpu_note else
@@ -358,7 +358,8 @@ COMMANDS = {
                "--dtype": {"choices": list(DTYPES), "default": "bf16"},
                "--max-depth": {"type": int, "default": 8, "help": "tree depth bound (edges), default 8"},
                "--no-serial": {**FLAG, "help": "skip the serial baseline"},
-               "--no-commit": {**FLAG, "help": "skip tree_commit"},
+               "--no-commit": {**FLAG, "help": "skip tree_commit and the rounds"},
+               "--chain": {**FLAG, "help": "each request a chain of T nodes (an MTP drafter's proposal)"},
                "--repeats": {"type": int, "default": 50, "help": "timed graph replays per case"},
                "--json": {"type": Path, "help": "also write the rows as JSON to this file"},
                "--lookup": {**FLAG, "help": "only time the runtime config lookup (cached path)"}}),

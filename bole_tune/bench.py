@@ -19,7 +19,8 @@ import triton
 
 from bole_tune import __version__
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import PLANNER, Launch, serial_verify, tree_commit, tree_verify
+from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, serial_verify, tree_commit,
+                               tree_commit_layers, tree_verify)
 from bole_tune.kernels.reference import verify_reference
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape, dtype_name
@@ -42,6 +43,7 @@ class BenchCase:
     dtype: torch.dtype = torch.bfloat16
     max_depth: int = 8
     label: str = ""
+    kind: str = "random"  # or "chain": each request one path of tree_size nodes (an MTP drafter's proposal)
 
     @property
     def num_nodes(self) -> int:
@@ -100,7 +102,7 @@ class CaseBench:
     def reference(self):
         if self._reference is None:
             c, s = self.case, self.case.shape
-            tree = make_tree([c.tree_size] * min(c.batch, CHECK_BATCH), max_depth=c.max_depth,
+            tree = make_tree([c.tree_size] * min(c.batch, CHECK_BATCH), c.kind, max_depth=c.max_depth,
                              seed=self.seed + 1, device=self.device)
             x = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, seed=self.seed + 1)
             self._reference = (tree, x, verify_reference(*x.args(tree), keep_states=False))
@@ -128,7 +130,7 @@ class CaseBench:
         c = self.case
         num_sets = rotation_count(c.floor_bytes(), l2_cache_bytes(self.device), most=most)
         if num_sets not in self._sets:
-            tree = make_tree([c.tree_size] * c.batch, max_depth=c.max_depth, seed=self.seed, device=self.device)
+            tree = make_tree([c.tree_size] * c.batch, c.kind, max_depth=c.max_depth, seed=self.seed, device=self.device)
             s = c.shape
             pool = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, num_slots=c.batch * num_sets,
                                seed=self.seed).state
@@ -152,19 +154,76 @@ class CaseBench:
         host = time_eager_host(launch, len(inputs), self.device) if eager else None
         return timing, host
 
+    def deepest(self, tree) -> torch.Tensor:
+        """Each request's deepest node: the longest path a commit can have."""
+        depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
+        return torch.tensor([max(range(self.case.tree_size), key=lambda n: depths[offsets[r] + n])
+                             for r in range(self.case.batch)], dtype=torch.int32, device=self.device)
+
     def time_commit(self, repeats: int = 50) -> Timing:
         """tree_commit of each request's deepest node, after a verification of each set."""
         tree, pool, inputs, slots = self.sets(64)
         results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
                    for i, x in enumerate(inputs)]
-        depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
-        accepted = torch.tensor([max(range(self.case.tree_size), key=lambda n: depths[offsets[r] + n])
-                                 for r in range(self.case.batch)], dtype=torch.int32, device=self.device)
+        accepted = self.deepest(tree)
 
         def launch(i):
             tree_commit(pool, slots[i], results[i], accepted, validate=False)
 
         return time_launches(launch, len(inputs), self.device, repeats=repeats)
+
+    def time_rounds(self, layers: int, repeats: int = 50) -> dict[str, Timing]:
+        """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
+
+        round_verify_commit: `tree_verify` then `tree_commit` (two launches a layer);
+        round_folded: `tree_verify` committing the previous round's paths of the same slots (one launch);
+        tree_commit_layers: one commit launch for ``layers`` layers, per layer (one set: the layers'
+            states already exceed the L2 cache);
+        round_serial: `serial_verify` then a copy of one state per request, what a snapshot engine's commit
+            is (a copy of the accepted node's snapshot into the slot).
+        """
+        tree, pool, inputs, slots = self.sets(64)
+        launch, accepted = self.launch(), self.deepest(tree)
+        previous = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
+                    for i, x in enumerate(inputs)]
+        outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
+                for i, x in enumerate(inputs)]
+        pending = [PendingCommit(PendingPaths.between_rounds(tree, accepted, slots[i], slots[i], pool.shape[0]),
+                                 previous[i]) for i in range(len(inputs))]
+
+        def verify_commit(i):
+            x = inputs[i]
+            tree_commit(pool, slots[i], tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch,
+                                                    out=outs[i]), accepted)
+
+        def folded(i):
+            x = inputs[i]
+            tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i], pending=pending[i])
+
+        timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
+                   "round_folded": time_launches(folded, len(inputs), self.device, repeats=repeats)}
+        x, h = inputs[0], self.case.shape
+        stacked = LayerResults.empty(layers, tree.num_nodes, h, self.case.dtype, self.device)
+        states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot
+        own = torch.arange(self.case.batch, dtype=torch.int32, device=self.device)
+        for layer in range(layers):
+            tree_verify(x.q, x.k, x.v, x.g, x.beta, states[layer], own, tree, launch=launch, out=stacked.layer(layer))
+        whole = time_launches(lambda _: tree_commit_layers(states, own, stacked, tree, accepted), 1, self.device,
+                              repeats=repeats)
+        timings["tree_commit_layers"] = Timing(whole.p20_us / layers, whole.p50_us / layers, whole.p80_us / layers,
+                                               method=f"{whole.method}, {layers} layers in one launch, per layer",
+                                               samples=whole.samples)
+        del stacked, states
+        tree2, pool2, inputs2, slots2 = self.sets(2)
+        snapshot = torch.zeros_like(pool2[:self.case.batch])
+
+        def serial(i):
+            x = inputs2[i]
+            serial_verify(x.q, x.k, x.v, x.g, x.beta, pool2, slots2[i], tree2, validate=False)
+            pool2.index_copy_(0, slots2[i].long(), snapshot)
+
+        timings["round_serial"] = time_launches(serial, len(inputs2), self.device, repeats=repeats)
+        return timings
 
 
 def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig | None = None,
@@ -196,6 +255,20 @@ def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseB
     return row
 
 
+def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50, bench: CaseBench | None = None) -> list[dict]:
+    """Rows of `CaseBench.time_rounds`: what a layer's round (verify and commit) costs each way, per layer.
+    A round's byte floor adds one write of the state to the verifier's."""
+    bench = bench or CaseBench(case, device)
+    rows = []
+    for kernel, timing in bench.time_rounds(layers, repeats).items():
+        row = _row(kernel, case, timing, device)
+        floor = (2 * case.state_bytes() if kernel == "tree_commit_layers" else case.floor_bytes() + case.state_bytes())
+        row["floor_us"] = round(floor / COPY_BANDWIDTH_H200 * 1e6, 2)
+        row["floor_fraction"] = round(row["floor_us"] / row["p50_us"], 3)
+        rows.append(row)
+    return rows
+
+
 def _row(kernel: str, case: BenchCase, timing: Timing, device) -> dict:
     floor_us = case.floor_bytes() / COPY_BANDWIDTH_H200 * 1e6
     s = case.shape
@@ -220,8 +293,10 @@ class BenchRun:
 
 
 def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.bfloat16, max_depth: int = 8,
-              repeats: int = 50, serial: bool = True, commit: bool = True, progress=None) -> BenchRun:
-    """`bench_verify` (and the serial baseline, and `bench_commit`) for every model profile, batch and tree size.
+              repeats: int = 50, serial: bool = True, commit: bool = True, chain: bool = False,
+              progress=None) -> BenchRun:
+    """`bench_verify` (and the serial baseline, `bench_commit` and the layer's round each way, `bench_rounds`)
+    for every model profile, batch and tree size (``chain``: each request a chain, not a random tree).
 
     On a GPU the defaults are B in 1, 4, 16 and T in 16..256; without one, small CPU cases (one key head
     group of 32-wide heads, B=1, T=16) that check the code runs. ``progress(rows)`` after each case.
@@ -243,13 +318,16 @@ def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.
             heads = HeadShape(hk=1, hv=heads.group, dk=32, dv=32)
         for batch in batches:
             for size in tree_sizes:
-                case = BenchCase(heads, batch, size, dtype, max_depth, label=model.name)
+                case = BenchCase(heads, batch, size, dtype, max_depth, label=model.name,
+                                 kind="chain" if chain else "random")
                 bench = CaseBench(case, device)
                 rows = [bench_verify("bole", case, device, repeats=repeats, bench=bench, eager=on_gpu)]
                 if serial:
                     rows.append(bench_verify("serial", case, device, repeats=repeats, bench=bench))
                 if commit:
                     rows.append(bench_commit(case, device, repeats=repeats, bench=bench))
+                    if serial:
+                        rows += bench_rounds(case, model.num_gdn_layers, device, repeats=repeats, bench=bench)
                 run.rows.extend(rows)
                 if progress:
                     progress(rows)

@@ -187,11 +187,12 @@ def bench(rows) -> Table:
     t = table("one GDN layer, per call (median of CUDA-graph replays; p20-p80)",
               ("model", "Hv", "B", "T", "kernel", "p50 us", "p20-p80", "floor us", "of floor", "vs serial"),
               left=("model", "kernel"))
-    serial = {(r["label"], r["hv"], r["batch"], r["tree_size"]): r["p50_us"] for r in rows
-              if r["kernel"] == "serial_verify"}
+    serial = {(r["label"], r["hv"], r["batch"], r["tree_size"], r["kernel"].startswith("round")): r["p50_us"]
+              for r in rows if r["kernel"] in ("serial_verify", "round_serial")}
     for r in rows:
-        key = (r["label"], r["hv"], r["batch"], r["tree_size"])
-        speedup = f"{serial[key] / r['p50_us']:.1f}x" if r["kernel"] == "tree_verify" and key in serial else ""
+        key = (r["label"], r["hv"], r["batch"], r["tree_size"], r["kernel"].startswith("round"))
+        compared = r["kernel"] in ("tree_verify", "round_verify_commit", "round_folded")
+        speedup = f"{serial[key] / r['p50_us']:.1f}x" if compared and key in serial else ""
         kernel = f"{r['kernel']} ({r['variant']})" if "variant" in r else r["kernel"]
         t.add_row(r["label"], str(r["hv"]), str(r["batch"]), str(r["tree_size"]), kernel, f"{r['p50_us']:.1f}",
                   f"{r['p20_us']:.1f}-{r['p80_us']:.1f}", f"{r['floor_us']:.1f}", f"{r['floor_fraction']:.0%}", speedup)

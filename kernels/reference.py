@@ -152,6 +152,20 @@ def commit_closed_form(state, state_indices, res: TreeVerifyResult, accepted, va
         state[slot] = torch.exp(res.log_decay[a])[:, None, None] * state[slot] + update
 
 
+def commit_pending_closed_form(state, state_indices, pending) -> None:
+    """`tree_verify`'s ``pending`` applied on its own: each request's slot gets the previous round's accepted
+    path of that slot (the requests' ``pending.paths.request_map``), as `commit_closed_form` does."""
+    paths, prev = pending.paths, pending.result
+    slots, accepted = [0] * paths.tree.num_requests, [-1] * paths.tree.num_requests
+    previous_accepted = _ints(paths.accepted)
+    for slot, previous in zip(_ints(state_indices), _ints(paths.request_map)):
+        if 0 <= previous < len(slots):
+            slots[previous], accepted[previous] = slot, previous_accepted[previous]
+    result = TreeVerifyResult(prev.o, prev.u, prev.log_decay, prev.k, prev.k_scale, paths.tree)
+    commit_closed_form(state, torch.tensor(slots, device=state.device), result,
+                       torch.tensor(accepted, device=state.device), validate=False)
+
+
 def _window(x, conv_state, slot: int, path_rows: list[int], width: int) -> torch.Tensor:
     """The last ``width`` inputs ending at the end of ``path_rows`` (oldest first), float64, [C, width]."""
     columns = [x[row].double() for row in path_rows[-width:]]

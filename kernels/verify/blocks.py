@@ -86,3 +86,66 @@ def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_
         b_qs = tl.dot(b_q.to(tl.float32), tl.trans(b_s), b_qs, input_precision=DOT_PRECISION)
         b_ks = tl.dot(b_k.to(tl.float32), tl.trans(b_s), b_ks, input_precision=DOT_PRECISION)
     return b_qs, b_ks
+
+
+@triton.jit
+def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K,
+                 B_T: tl.constexpr, B_P: tl.constexpr):
+    """The commit's factors of the nodes at depths ``i_p * B_P ..`` on the path to ``accepted`` (a local node
+    of the request whose rows start at ``bos``; docs/math.md §4): their packed rows ``[B_P]``, mask, and
+    weights ``exp(logP_a - logP_j) * k_scale_j`` (0 off the path), and ``logP_a``.
+
+    The path holds one node per depth 0..depth(a): the nodes whose depth-first interval contains ``a``,
+    gathered ``B_T`` candidates at a time by depth (no walk up the parents).
+    """
+    enter_a = tl.load(enter_ptr + bos + accepted)
+    depth_a = tl.load(depth_ptr + bos + accepted)
+    logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
+    o_p = i_p * B_P + tl.arange(0, B_P)
+    node = tl.zeros([B_P], dtype=tl.int64)
+    for j_b in range(0, accepted // B_T + 1):
+        o_j = j_b * B_T + tl.arange(0, B_T)
+        m_j = o_j <= accepted
+        enter_j = tl.load(enter_ptr + bos + o_j, mask=m_j, other=0)
+        exit_j = tl.load(exit_ptr + bos + o_j, mask=m_j, other=-1)
+        depth_j = tl.load(depth_ptr + bos + o_j, mask=m_j, other=-1)
+        on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
+        hit = on_path[None, :] & (depth_j[None, :] == o_p[:, None])
+        node += tl.sum(tl.where(hit, o_j[None, :], 0), axis=1)
+    m_p = o_p <= depth_a
+    rows = bos + node
+    logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
+    scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
+    weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
+    return rows, m_p, weight, logp_a
+
+
+@triton.jit
+def pending_path(i_r, i_h, i_hk, map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
+                 k_scale_ptr, H_V, H_K, B_T: tl.constexpr, B_P: tl.constexpr):
+    """The previous round's accepted path of request ``i_r``'s slot, to fold into its state before this round
+    reads it: ``map_ptr[i_r]`` is the previous round's request of that slot (-1: nothing pending), ``B_P`` at
+    least the previous trees' depth + 1. Returns (rows, mask, weights, decay ``P_a``, pending); a request
+    with nothing pending (or an accepted node out of range) gets weights 0 and decay 1, an exact no-op."""
+    prev = tl.load(map_ptr + i_r).to(tl.int64)
+    prev_safe = tl.maximum(prev, 0)
+    accepted = tl.load(accepted_ptr + prev_safe).to(tl.int64)
+    bos = tl.load(offsets_ptr + prev_safe).to(tl.int64)
+    size = tl.load(offsets_ptr + prev_safe + 1).to(tl.int64) - bos
+    pending = (prev >= 0) & (accepted >= 0) & (accepted < size)
+    accepted = tl.where(pending, accepted, 0)
+    rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
+                                             k_scale_ptr, H_V, H_K, B_T, B_P)
+    weight = tl.where(pending, weight, 0.0)
+    decay = tl.where(pending, tl.exp(logp_a), 1.0)
+    return rows, m_p & pending, weight, decay, pending
+
+
+@triton.jit
+def fold_tile(b_s, rows_p, m_p, weight_p, decay_p, o_v, o_k, i_h, i_hk, u_ptr, k_ptr, H_V, H_K,
+              D_K: tl.constexpr, D_V: tl.constexpr):
+    """A ``[b_v, b_k]`` state tile after the pending commit: ``P_a S + sum_j w_j u_j k_j^T`` (docs/math.md §4)."""
+    b_kp = tl.load(k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
+                   other=0).to(tl.float32)
+    b_up = tl.load(u_ptr + rows_p[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+    return decay_p * b_s + tl.dot(tl.trans(b_up * weight_p[:, None]), b_kp, input_precision="ieee")

@@ -12,7 +12,7 @@ from bole_tune.tree import TreeBatch
 
 from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, require_shape, require_tensor,
                       slot_checks, validation_enabled)
-from .result import TreeVerifyResult, VerifyShape
+from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
 
 
 def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate) -> VerifyShape:
@@ -116,3 +116,40 @@ def _accepted_message(accepted, out_of_range, tree) -> str:
     r = int(out_of_range.nonzero()[0, 0])
     return (f"accepted[{r}]={int(accepted[r])} is out of range for request {r} with {tree.sizes[r]} nodes "
             "(expected -1 or a local node index)")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None, validate) -> None:
+    """Check `tree_verify`'s ``pending`` (the previous round's commit to fold in); raise naming the field."""
+    if not isinstance(pending, PendingCommit) or not isinstance(pending.paths, PendingPaths):
+        raise TypeError(f"pending: expected a PendingCommit(PendingPaths, TreeVerifyResult), got {type(pending).__name__}")
+    paths, prev = pending.paths, pending.result
+    if not isinstance(prev, TreeVerifyResult) or not isinstance(paths.tree, TreeBatch):
+        raise TypeError("pending.result: expected the previous round's TreeVerifyResult of this layer")
+    h = shape.heads
+    require_shape("pending.paths.request_map", paths.request_map, (shape.num_requests,),
+                  "[B] (the previous round's request of each slot, or -1)")
+    require_shape("pending.paths.accepted", paths.accepted, (paths.tree.num_requests,),
+                  "[B_prev] (one node per request of the previous round)")
+    require_shape("pending.result.u", prev.u, (paths.tree.num_nodes, h.hv, h.dv), "[N_prev, Hv, dv]")
+    require_shape("pending.result.k", prev.k, (paths.tree.num_nodes, h.hk, h.dk), "[N_prev, Hk, dk]")
+    for name, x in (("request_map", paths.request_map), ("accepted", paths.accepted)):
+        if x.dtype not in INDEX_DTYPES:
+            raise TypeError(f"pending.paths.{name}: dtype {x.dtype}; expected int32 or int64")
+    for name, x in (("paths.request_map", paths.request_map), ("paths.accepted", paths.accepted),
+                    ("result.u", prev.u), ("paths.tree", paths.tree.offsets)):
+        if x.device != device:
+            raise ValueError(f"pending.{name}: on device {x.device} but the inputs are on {device}")
+    if out is not None and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):
+        raise ValueError("out: shares memory with pending.result; the verification would overwrite the factors it "
+                         "commits (alternate two result buffers between rounds)")
+    if validation_enabled(validate):
+        sizes = (paths.tree.offsets[1:] - paths.tree.offsets[:-1]).to(paths.accepted.dtype)
+        raise_first([(((paths.accepted < -1) | (paths.accepted >= sizes)).any(),
+                      "pending.paths.accepted: has an entry out of range (expected -1 or a local node index)"),
+                     (((paths.request_map < -1) | (paths.request_map >= paths.tree.num_requests)).any(),
+                      "pending.paths.request_map: has an entry out of range")])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, norm_scales, qk_chunk_gram, solve_factors, state_products
+from .blocks import ancestry, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -36,6 +36,9 @@ def tree_verify_fused_kernel(
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
+    fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
+    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr,
     # scalars and strides
     scale, max_blocks, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -44,6 +47,7 @@ def tree_verify_fused_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
+    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -57,6 +61,10 @@ def tree_verify_fused_kernel(
 
     o_v = i_v * B_V + tl.arange(0, B_V)
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v
+    if FOLD:
+        rows_p, m_p, weight_p, decay_p, pending = pending_path(
+            i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
+            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_TP, B_P)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):
         o_i = i_b * B_T + tl.arange(0, B_T)
@@ -76,6 +84,11 @@ def tree_verify_fused_kernel(
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
             b_s = tl.load(p_state + o_k[None, :])
+            if FOLD:  # the first block commits the previous round into the tile; later blocks read it back
+                fold_now = pending & (i_b == 0)
+                b_s = fold_tile(b_s, rows_p, m_p & fold_now, weight_p, tl.where(fold_now, decay_p, 1.0), o_v, o_k,
+                                i_h, i_hk, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V)
+                tl.store(p_state + o_k[None, :], b_s, mask=fold_now)
             b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
                 q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
                 stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,

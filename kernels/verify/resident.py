@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, norm_scales, qk_chunk_gram, solve_factors, state_products
+from .blocks import ancestry, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -45,6 +45,9 @@ def tree_verify_resident_kernel(
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
+    fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
+    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr,
     # scalars and strides
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -55,6 +58,7 @@ def tree_verify_resident_kernel(
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False,
+    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -112,7 +116,12 @@ def tree_verify_resident_kernel(
     tl.store(k_scale_ptr + rows * H_K + i_hk, r_k, mask=m_i & write_keys)
 
     # 2. stream S_pre one value tile at a time: R' = V - a_k (K S^T), U = W R', O = a_q (Q S^T) + M R'
+    # (with FOLD, each tile first becomes the committed state of the previous round, written back)
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    if FOLD:
+        rows_p, m_p, weight_p, decay_p, pending = pending_path(
+            i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
+            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_TP, B_P)
     for i_v in range(0, D_V // V_SPLIT, B_V):
         o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
         b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
@@ -124,6 +133,10 @@ def tree_verify_resident_kernel(
             b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                           mask=m_i[:, None], other=0)
             b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+            if FOLD:
+                b_s = fold_tile(b_s, rows_p, m_p, weight_p, decay_p, o_v, o_k, i_h, i_hk, fold_u_ptr, fold_k_ptr,
+                                H_V, H_K, D_K, D_V)
+                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
             b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
         b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
                       mask=m_i[:, None], other=0).to(tl.float32)

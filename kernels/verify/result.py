@@ -31,6 +31,38 @@ class TreeVerifyResult:
 
 
 @dataclass(frozen=True)
+class PendingPaths:
+    """A round's accepted paths not yet committed, once per round for every layer (docs/math.md §4).
+
+    tree, accepted: that round's trees and accepted node per request (-1: nothing accepted).
+    request_map: ``[B]`` int32, for each request of the next round the request of the same slot in that
+    round, or -1 (a request that joined). Build it with `between_rounds`.
+    """
+
+    tree: TreeBatch
+    accepted: torch.Tensor
+    request_map: torch.Tensor
+
+    @classmethod
+    def between_rounds(cls, tree: TreeBatch, accepted, state_indices, next_state_indices,
+                       num_slots: int) -> "PendingPaths":
+        """From a round's ``(tree, accepted, state_indices)`` and the next round's slots (device work only)."""
+        device = tree.device
+        inverse = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        inverse[state_indices.long()] = torch.arange(len(state_indices), dtype=torch.int32, device=device)
+        return cls(tree, accepted, inverse[next_state_indices.long()])
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """What one layer's `tree_verify(..., pending=...)` commits into its pool before verifying: the round's
+    `PendingPaths` and this layer's `TreeVerifyResult` of that round (not the buffers being written now)."""
+
+    paths: PendingPaths
+    result: TreeVerifyResult
+
+
+@dataclass(frozen=True)
 class VerifyShape:
     """The sizes of one verification call: its head shape, nodes, requests, pool slots and q scale."""
 

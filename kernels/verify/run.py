@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import triton
+
+from bole_tune.config import node_block
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype, token_head_strides
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
-from .result import TreeVerifyResult, VerifyShape
+from .result import PendingCommit, TreeVerifyResult, VerifyShape
 
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
-               res: TreeVerifyResult, use_qk_l2norm: bool) -> TreeVerifyResult:
+               res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None) -> TreeVerifyResult:
     """Run ``launch`` on checked inputs, writing into ``res``. The two kernels take the same arguments
-    but for the fused one's block-table width and the resident one's value split and switches."""
+    but for the fused one's block-table width and the resident one's value split and switches; with
+    ``pending``, both first commit the previous round's accepted paths into the slots they read."""
     h, config = shape.heads, launch.config
     q, sq_n, sq_h = token_head_strides(q)
     k, sk_n, sk_h = token_head_strides(k)
@@ -27,10 +31,19 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     else:
         kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}
+    if pending is None:  # the fold's pointers are unused: any tensors do
+        fold = (tree.offsets,) * 6 + (res.u, res.log_decay, res.k, res.k_scale)
+        extra.update(FOLD=False)
+    else:
+        paths, prev = pending.paths, pending.result
+        fold = (paths.request_map, paths.accepted, paths.tree.offsets, paths.tree.dfs_enter, paths.tree.dfs_exit,
+                paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale)
+        extra.update(FOLD=True, B_TP=node_block(paths.tree.max_tree_size),
+                     B_P=max(16, triton.next_power_of_2(paths.tree.depth + 1)))
     kernel(
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-        res.o, res.u, res.log_decay, res.k, res.k_scale,
+        res.o, res.u, res.log_decay, res.k, res.k_scale, *fold,
         shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2),

@@ -31,6 +31,7 @@ from bole_tune.tree import TreeBatch
 
 from ..common import INDEX_DTYPES, require_tensor, use_triton
 from ..reference import commit_closed_form
+from .blocks import path_factors
 from .checks import check_commit_inputs
 from .result import TreeVerifyResult
 
@@ -70,28 +71,11 @@ def tree_commit_kernel(
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
         o_k = i_k * B_K + tl.arange(0, B_K)
         p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-        enter_a = tl.load(dfs_enter_ptr + bos + accepted)
-        depth_a = tl.load(node_depth_ptr + bos + accepted)
-        logp_a = tl.load(logp_ptr + (bos + accepted) * H_V + i_h)
-        # the path holds one node per depth 0..depth_a: gather B_P of them at a time (one gather for
-        # the drafters' trees of depth < B_P), then stream this program's V_SPAN rows of the state
-        for i_p in range(0, depth_a // B_P + 1):
-            o_p = i_p * B_P + tl.arange(0, B_P)
-            node = tl.zeros([B_P], dtype=tl.int64)
-            for j_b in range(0, accepted // B_T + 1):
-                o_j = j_b * B_T + tl.arange(0, B_T)
-                m_j = o_j <= accepted
-                enter_j = tl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=0)
-                exit_j = tl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-1)
-                depth_j = tl.load(node_depth_ptr + bos + o_j, mask=m_j, other=-1)
-                on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
-                hit = on_path[None, :] & (depth_j[None, :] == o_p[:, None])
-                node += tl.sum(tl.where(hit, o_j[None, :], 0), axis=1)
-            m_p = o_p <= depth_a
-            rows = bos + node
-            logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
-            scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
-            weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
+        # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
+        # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state
+        for i_p in range(0, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
+            rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
+                                                     node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
                           mask=m_p[:, None], other=0).to(tl.float32)
             # the first pass decays S_pre; later passes (paths deeper than B_P) add to what it wrote

@@ -12,10 +12,10 @@ from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
 from ..common import use_triton
-from ..reference import verify_closed_form
-from .checks import check_verify_inputs
+from ..reference import commit_pending_closed_form, verify_closed_form
+from .checks import check_pending, check_verify_inputs
 from .planner import Launch, Planner
-from .result import TreeVerifyResult, result_buffers
+from .result import PendingCommit, TreeVerifyResult, result_buffers
 from .run import run_launch
 from .self_check import check_resident
 
@@ -31,7 +31,8 @@ def plan_launch(heads: HeadShape, dtype, **kwargs) -> Launch:
 def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=None, use_qk_l2norm=True,
                 config: KernelConfig | None = None, validate: bool | None = None,
                 out: TreeVerifyResult | None = None, variant: str | None = None,
-                v_split: int | None = None, launch: Launch | None = None) -> TreeVerifyResult:
+                v_split: int | None = None, launch: Launch | None = None,
+                pending: PendingCommit | None = None) -> TreeVerifyResult:
     """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
 
     Args:
@@ -50,11 +51,19 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
             the planner's for the batch's bucket (what the tuner timed). Ignored by the fused kernel.
         launch: a whole `Launch` (from `plan_launch`, perhaps with switches changed) instead of
             config/variant/v_split; it is checked against this batch.
+        pending: the previous round's accepted paths of this layer (`PendingCommit`), committed into each
+            request's slot in the same launch before it is read: the round's commit folded into this
+            verify (one read and one write of the state instead of two launches). The slot then holds the
+            committed state. Requests with nothing pending (-1 in the paths' request map) read their slot
+            as it is; a slot whose request left must be committed with `tree_commit` (the flush). ``out``
+            must not share memory with ``pending.result``: alternate two result buffers between rounds.
 
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
     """
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    if pending is not None:
+        check_pending(pending, shape, q.device, out, validate)
     deep = tree.depth > PLANNER.policy.sweep_f16_max_depth
     if launch is None:
         launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
@@ -69,7 +78,9 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         launch = PLANNER.checked(launch, shape.heads, q.dtype, g.dtype, shape.scale, bool(use_qk_l2norm), q.device,
                                  deep)
     if not use_triton(q.device):
+        if pending is not None:
+            commit_pending_closed_form(state, state_indices, pending)
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
-    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, bool(use_qk_l2norm))
+    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, bool(use_qk_l2norm), pending)

@@ -1,0 +1,88 @@
+"""The commit folded into the next verify: over several rounds, with requests joining and leaving, every
+output and the final pool equal the float64 node-by-node recurrence run round after round."""
+
+import random
+
+import pytest
+import torch
+
+from bole_tune.kernels import PendingCommit, PendingPaths, tree_commit, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.workloads import make_inputs, make_tree
+from helpers import TOLERANCE, assert_close
+
+F32, BF16 = torch.float32, torch.bfloat16
+NUM_SLOTS = 7
+
+# id -> (variant, dtype, tree sizes per round (one list per round, one size per request), tree kind)
+CASES = {
+    "fused-fp32-trees": ("fused", F32, [[5, 9, 1], [12, 3, 7, 2], [6, 6], [10, 1, 4]], "random"),
+    "resident-bf16-trees": ("resident", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
+    "fused-fp32-multi-block-chains": ("fused", F32, [[70, 3], [66, 12], [5, 80]], "chain"),
+    "resident-fp32-chains": ("resident", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
+}
+
+
+def accepted_of(rng, tree, r) -> int:
+    """-1 (nothing), a root, the deepest node, or a random node: every length of path."""
+    size = tree.sizes[r]
+    depths = tree.node_depth[tree.offsets[r]:tree.offsets[r + 1]].tolist()
+    choice = rng.choice(["none", "root", "deepest", "any"])
+    if choice == "none":
+        return -1
+    if choice == "root":
+        return 0
+    if choice == "deepest":
+        return max(range(size), key=depths.__getitem__)
+    return rng.randrange(size)
+
+
+@pytest.mark.parametrize("case", [*CASES, "fallback"], ids=[*CASES, "pytorch-fallback"])
+def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypatch):
+    if case == "fallback":  # off a GPU without the interpreter: the PyTorch closed form does the same
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device, case = "cpu", "fused-fp32-trees"
+    variant, dtype, rounds, kind = CASES[case]
+    rng = random.Random(7)
+    pool = make_inputs(make_tree([1], device=device), 2, 4, 32, 32, dtype, device, num_slots=NUM_SLOTS).state
+    truth = pool.clone()  # the reference pool, committed round by round (float64 inside each round)
+    pending, pending_slots = None, None
+    for index, sizes in enumerate(rounds):
+        slots = torch.tensor(rng.sample(range(NUM_SLOTS), len(sizes)), dtype=torch.int32, device=device)
+        tree = make_tree(sizes, kind, max_depth=8, seed=index, device=device)
+        x = make_inputs(tree, 2, 4, 32, 32, dtype, device, seed=10 + index)
+        if pending is not None:
+            # requests whose slot is not in this round left: flush their pending path with tree_commit
+            leaving = torch.tensor([s not in slots.tolist() for s in pending_slots.tolist()], device=device)
+            tree_commit(pool, pending_slots, pending.result, torch.where(leaving, pending.paths.accepted, -1))
+            pending = PendingCommit(PendingPaths.between_rounds(pending.paths.tree, pending.paths.accepted,
+                                                                pending_slots, slots, NUM_SLOTS), pending.result)
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, pending=pending)
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
+        assert_close(res.o, ref.o, TOLERANCE[dtype], f"round {index} outputs")
+        # the folded slots now hold the committed state of the previous round (the others are untouched)
+        assert_close(pool[slots.long()], truth[slots.long()], TOLERANCE[F32], f"round {index} slots read")
+        accepted = torch.tensor([accepted_of(rng, tree, r) for r in range(len(sizes))], device=device)
+        truth = ref.committed(truth, slots, tree, accepted).float()
+        pending = PendingCommit(PendingPaths(tree, accepted, torch.empty(0)), res)
+        pending_slots = slots
+    tree_commit(pool, pending_slots, pending.result, pending.paths.accepted)  # the final flush
+    assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
+
+
+def test_pending_mistakes_are_refused(device):
+    tree = make_tree([5, 3], device=device)
+    x = make_inputs(tree, 2, 4, 32, 32, F32, device)
+    res = tree_verify(*x.args(tree))
+    paths = PendingPaths.between_rounds(tree, torch.tensor([4, -1], device=device), x.state_indices,
+                                        x.state_indices, x.state.shape[0])
+    with pytest.raises(ValueError, match="out: shares memory with pending.result"):
+        tree_verify(*x.args(tree), pending=PendingCommit(paths, res), out=res)
+    with pytest.raises(TypeError, match="pending: expected a PendingCommit"):
+        tree_verify(*x.args(tree), pending=(paths, res))
+    short = PendingPaths(tree, paths.accepted, paths.request_map[:1])
+    with pytest.raises(ValueError, match="pending.paths.request_map: expected shape"):
+        tree_verify(*x.args(tree), pending=PendingCommit(short, res))
+    bad = PendingPaths(tree, torch.tensor([9, 0], device=device), paths.request_map)
+    with pytest.raises(ValueError, match="pending.paths.accepted: has an entry out of range"):
+        tree_verify(*x.args(tree), pending=PendingCommit(bad, res), validate=True)
