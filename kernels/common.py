@@ -22,6 +22,12 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 L2_EPS = 1e-6
 """Added to the sum of squares before the square root of the q/k L2 norm (as the engines do)."""
+LOG_DECAY_FLOOR = -30.0
+"""Every log-decay below this is taken as this (-inf and -3e38 included): exp(-30) = 9.4e-14, a decay that
+is zero to fp32 precision. The floor keeps path sums of g small, so their differences keep the small g
+that follow a huge one (a root of g = -1e6 then g = -0.01: without it, -1e6 - 0.01 rounds to -1e6 in fp32
+and the child's decay came out 1 instead of 0.99) and never overflow to -inf (g = -3e38 twice). Accepted
+range of g: every value <= 0; exact to the verifier's tolerance against the float64 recurrence."""
 
 
 def validation_enabled(validate: bool | None) -> bool:

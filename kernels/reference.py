@@ -16,7 +16,7 @@ import torch
 
 from bole_tune.tree import TreeBatch
 
-from .common import L2_EPS
+from .common import L2_EPS, LOG_DECAY_FLOOR
 from .verify.checks import check_commit_inputs, check_verify_inputs
 from .verify.result import TreeVerifyResult, result_buffers
 
@@ -110,7 +110,7 @@ def verify_closed_form(q, k, v, g, beta, state, state_indices, tree: TreeBatch, 
         lo, hi = offsets[r], offsets[r + 1]
         mask = tree.ancestor_mask(r, v.device)
         strict = mask & ~torch.eye(hi - lo, dtype=torch.bool, device=v.device)
-        logp = mask.to(dtype) @ g[lo:hi].to(dtype)  # [T, Hv]
+        logp = mask.to(dtype) @ g[lo:hi].to(dtype).clamp(min=LOG_DECAY_FLOOR)  # [T, Hv], LOG_DECAY_FLOOR says why
         # exp(logP_i - logP_j) on the mask only: it is <= 1 there, and may overflow elsewhere.
         diff = logp.T[:, :, None] - logp.T[:, None, :]  # [Hv, T, T]
         decay = torch.where(mask, diff, torch.full_like(diff, -torch.inf)).exp()

@@ -61,7 +61,9 @@ VERIFY_CASES = {
     "slots-float": (lambda t, x: replace(x, state_indices=x.state_indices.float()), TypeError, "state_indices: dtype"),
     "device": (lambda t, x: replace(x, k=x.k.to("meta")), ValueError, "k: on device meta"),
     "not-a-tensor": (lambda t, x: replace(x, q=x.q.tolist()), TypeError, "q: expected a torch.Tensor"),
-    "g-nan": (lambda t, x: replace(x, g=nan_at(x.g)), ValueError, "g: contains NaN or inf"),
+    "g-nan": (lambda t, x: replace(x, g=nan_at(x.g)), ValueError, "g: contains NaN or \\+inf"),
+    "q-nan": (lambda t, x: replace(x, q=nan_at(x.q)), ValueError, "q: contains NaN or inf"),
+    "v-inf": (lambda t, x: replace(x, v=nan_at(x.v, float("inf"))), ValueError, "v: contains NaN or inf"),
     "beta-inf": (lambda t, x: replace(x, beta=nan_at(x.beta, float("inf"))), ValueError, "beta: contains NaN or inf"),
     "g-positive": (lambda t, x: replace(x, g=nan_at(x.g, 0.5)), ValueError, "g: has positive entries"),
     "beta-above-1": (lambda t, x: replace(x, beta=nan_at(x.beta, 1.5)), ValueError, "beta: has entries outside"),
@@ -77,7 +79,7 @@ VERIFY_CASES = {
 
 
 # checked on the device: only when asked (validate=True or BOLE_TUNE_VALIDATE=1), never by default
-VALUE_CASES = ("g-nan", "beta-inf", "g-positive", "beta-above-1", "slot-negative", "slot-too-large", "slot-repeated")
+VALUE_CASES = ("g-nan", "q-nan", "v-inf", "beta-inf", "g-positive", "beta-above-1", "slot-negative", "slot-too-large", "slot-repeated")
 
 
 @pytest.mark.parametrize("case", list(VERIFY_CASES), ids=list(VERIFY_CASES))

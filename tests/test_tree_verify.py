@@ -410,3 +410,31 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes):
     tree_commit_layers(states, pools[0][1], results, tree, accepted)
     for layer in range(layers):
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
+
+
+EXTREME_GATES = {
+    # a huge decay at the root, then small ones: the child's decays must keep their -0.01 (fp32 path sums did not)
+    "root-minus-1e6-then-small": lambda g: (g.fill_(-0.01), g[0].fill_(-1e6)),
+    "minus-3e38-twice": lambda g: (g.fill_(-0.5), g[0].fill_(-3e38), g[2].fill_(-3e38)),
+    "minus-inf": lambda g: (g.fill_(-0.2), g[1].fill_(float("-inf"))),
+    "all-minus-1e4": lambda g: g.fill_(-1e4),
+}
+
+
+@pytest.mark.parametrize("variant", ["fused", "resident", "serial"])
+@pytest.mark.parametrize("case", list(EXTREME_GATES), ids=list(EXTREME_GATES))
+def test_every_log_decay_below_zero_is_exact(device, case, variant):
+    """The accepted range of g is every value <= 0: outputs and the commit stay finite and exact against the
+    float64 recurrence (kernels.common.LOG_DECAY_FLOOR)."""
+    tree = TreeBatch.from_parents([tree_parents(6, "chain"), [-1, 0, 0, 1, -1, 4]], device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=3)
+    x.beta.fill_(0.9)
+    EXTREME_GATES[case](x.g)
+    ref = verify_reference(*x.args(tree))
+    verify = serial_verify if variant == "serial" else functools.partial(tree_verify, variant=variant)
+    res = verify(*x.args(tree), out=poisoned_out(x, tree))
+    assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
+    accepted = torch.tensor([5, 3], device=device)
+    before = x.state.clone()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, ref.committed(before, x.state_indices, tree, accepted), TOLERANCE[torch.float32], "committed")

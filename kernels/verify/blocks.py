@@ -10,6 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common import LOG_DECAY_FLOOR
+
+G_FLOOR = tl.constexpr(LOG_DECAY_FLOOR)
+
+
+@triton.jit
+def floored(b_g):
+    """Log-decays at or above `common.LOG_DECAY_FLOOR` (its docstring says why)."""
+    return tl.maximum(b_g, G_FLOOR)
+
 
 @triton.jit
 def qk_chunk_gram(q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,

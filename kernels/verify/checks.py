@@ -69,7 +69,8 @@ def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, val
         raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
     if validation_enabled(validate):
         raise_first([
-            (~torch.isfinite(g).all(), "g: contains NaN or inf (the log-decay must be finite)"),
+            *((~torch.isfinite(x).all(), f"{name}: contains NaN or inf") for name, x in (("q", q), ("k", k), ("v", v))),
+            (torch.isnan(g).any() | (g == float("inf")).any(), "g: contains NaN or +inf (a log-decay is <= 0)"),
             ((g > 0).any(), "g: has positive entries (g is a log-decay and must be <= 0)"),
             (~torch.isfinite(beta).all(), "beta: contains NaN or inf"),
             (((beta < 0) | (beta > 1)).any(), "beta: has entries outside [0, 1]"),

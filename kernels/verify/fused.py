@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
+from .blocks import ancestry, floored, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -104,7 +104,7 @@ def tree_verify_fused_kernel(
             m_j = o_j < num_nodes
             enter_j = tl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=-1)
             exit_j = tl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-2)
-            b_g = tl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(tl.float32)
+            b_g = floored(tl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(tl.float32))
             b_logp += tl.sum(tl.where(ancestry(enter_i, enter_j, exit_j), b_g[None, :], 0.0), axis=1)
 
         b_decay = tl.exp(b_logp)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
+from .blocks import ancestry, floored, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -77,7 +77,7 @@ def tree_verify_resident_kernel(
     enter_i = tl.load(dfs_enter_ptr + rows, mask=m_i, other=-1)
     exit_i = tl.load(dfs_exit_ptr + rows, mask=m_i, other=-2)
     b_beta = tl.load(beta_ptr + rows * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(tl.float32)
-    b_g = tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32)
+    b_g = floored(tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32))
 
     # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)

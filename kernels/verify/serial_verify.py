@@ -17,6 +17,7 @@ from bole_tune.tree import TreeBatch
 
 from ..common import token_head_strides, use_triton
 from ..reference import verify_closed_form
+from .blocks import floored
 from .checks import check_verify_inputs
 from .result import TreeVerifyResult, result_buffers
 
@@ -64,7 +65,7 @@ def serial_verify_kernel(
             r_k = 1.0 / tl.sqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32)) + 1e-6)
         b_q = b_q * scale
         b_kn = b_k.to(tl.float32) * r_k
-        b_g = tl.load(g_ptr + row * stride_g_n + i_h * stride_g_h).to(tl.float32)
+        b_g = floored(tl.load(g_ptr + row * stride_g_n + i_h * stride_g_h).to(tl.float32))
         b_beta = tl.load(beta_ptr + row * stride_beta_n + i_h * stride_beta_h).to(tl.float32)
         b_v = tl.load(v_ptr + row * stride_v_n + i_h * stride_v_h + o_v).to(tl.float32)
         gamma = tl.exp(b_g)
