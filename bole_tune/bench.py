@@ -167,7 +167,8 @@ class CaseBench:
                    for i, x in enumerate(inputs)]
         accepted = self.deepest(tree)
 
-        def launch(i):
+        def launch(i):  # each timed commit commits a fresh result (a result's paths are committed once)
+            results[i].committed.zero_()
             tree_commit(pool, slots[i], results[i], accepted, validate=False)
 
         return time_launches(launch, len(inputs), self.device, repeats=repeats)
@@ -198,18 +199,19 @@ class CaseBench:
 
         def folded(i):
             x = inputs[i]
+            previous[i].committed.zero_()  # a fresh previous round each time
             tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i], pending=pending[i])
 
         timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
                    "round_folded": time_launches(folded, len(inputs), self.device, repeats=repeats)}
         x, h = inputs[0], self.case.shape
-        stacked = LayerResults.empty(layers, tree.num_nodes, h, self.case.dtype, self.device)
+        stacked = LayerResults.empty(layers, tree, h, self.case.dtype, self.device)
         states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot
         own = torch.arange(self.case.batch, dtype=torch.int32, device=self.device)
         for layer in range(layers):
             tree_verify(x.q, x.k, x.v, x.g, x.beta, states[layer], own, tree, launch=launch, out=stacked.layer(layer))
-        whole = time_launches(lambda _: tree_commit_layers(states, own, stacked, tree, accepted), 1, self.device,
-                              repeats=repeats)
+        whole = time_launches(lambda _: (stacked.committed.zero_(), tree_commit_layers(states, own, stacked, tree, accepted)),
+                              1, self.device, repeats=repeats)
         timings["tree_commit_layers"] = Timing(whole.p20_us / layers, whole.p50_us / layers, whole.p80_us / layers,
                                                method=f"{whole.method}, {layers} layers in one launch, per layer",
                                                samples=whole.samples)

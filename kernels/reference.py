@@ -18,7 +18,7 @@ from bole_tune.tree import TreeBatch
 
 from .common import L2_EPS, LOG_DECAY_FLOOR
 from .verify.checks import check_commit_inputs, check_verify_inputs
-from .verify.result import TreeVerifyResult, result_buffers
+from .verify.result import TreeVerifyResult, commit_epoch, result_buffers
 
 
 @dataclass
@@ -128,6 +128,7 @@ def verify_closed_form(q, k, v, g, beta, state, state_indices, tree: TreeBatch, 
         res.o[lo:hi] = o_h.transpose(0, 1).to(res.o.dtype)
         res.log_decay[lo:hi] = logp.float()
     res.k.copy_(k)
+    res.committed.zero_()
     if use_qk_l2norm:
         res.k_scale.copy_(torch.rsqrt((k.float() ** 2).sum(-1) + L2_EPS))
     else:
@@ -141,10 +142,12 @@ def commit_closed_form(state, state_indices, res: TreeVerifyResult, accepted, va
     tree = res.tree
     group = res.u.shape[1] // res.k.shape[1]
     keys = (res.k.float() * res.k_scale[:, :, None]).repeat_interleave(group, dim=1)  # [N, Hv, dk]
-    offsets = tree.offsets.tolist()
+    offsets, marks, epoch = tree.offsets.tolist(), _ints(res.committed), commit_epoch()
     for r, (slot, node) in enumerate(zip(_ints(state_indices), _ints(accepted))):
-        if not 0 <= node < tree.sizes[r]:  # -1 keeps the slot, and so does a node out of range
+        # -1 keeps the slot, and so does a node out of range or a path already committed (a no-op twice)
+        if not 0 <= node < tree.sizes[r] or marks[r] != 0:
             continue
+        res.committed[r] = epoch
         rows = [offsets[r] + j for j in tree.path_to(r, node)]
         a = rows[-1]
         weight = torch.exp(res.log_decay[a][None, :] - res.log_decay[rows])  # [L, Hv]
@@ -161,7 +164,7 @@ def commit_pending_closed_form(state, state_indices, pending) -> None:
     for slot, previous in zip(_ints(state_indices), _ints(paths.request_map)):
         if 0 <= previous < len(slots):
             slots[previous], accepted[previous] = slot, previous_accepted[previous]
-    result = TreeVerifyResult(prev.o, prev.u, prev.log_decay, prev.k, prev.k_scale, paths.tree)
+    result = TreeVerifyResult(prev.o, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed, paths.tree)
     commit_closed_form(state, torch.tensor(slots, device=state.device), result,
                        torch.tensor(accepted, device=state.device), validate=False)
 

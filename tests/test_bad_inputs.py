@@ -195,9 +195,9 @@ def test_an_unchecked_accepted_node_out_of_range_leaves_its_slot(device, accepte
     accepted_t = torch.tensor(accepted, device=device)
     good = [r for r, (a, size) in enumerate(zip(accepted, tree.sizes)) if 0 <= a < size]
     expected = x.state.clone()
-    if good:
-        tree_commit(expected, x.state_indices, res, torch.where(torch.tensor([r in good for r in range(2)],
-                                                                            device=device), accepted_t, -1))
+    if good:  # on a result of its own: a result's paths are committed once
+        tree_commit(expected, x.state_indices, tree_verify(*x.args(tree)),
+                    torch.where(torch.tensor([r in good for r in range(2)], device=device), accepted_t, -1))
     tree_commit(x.state, x.state_indices, res, accepted_t, validate=False)
     assert torch.equal(x.state, expected)
 
@@ -315,7 +315,7 @@ def test_commit_of_all_layers_refuses(batch):
     from bole_tune.kernels import LayerResults, tree_commit_layers
 
     tree, x = batch
-    results = LayerResults.empty(2, tree.num_nodes, HeadShape(hk=2, hv=4, dk=32, dv=32), torch.float32, "cpu")
+    results = LayerResults.empty(2, tree, HeadShape(hk=2, hv=4, dk=32, dv=32), torch.float32, "cpu")
     states = torch.stack([x.state, x.state.clone()])
     accepted = torch.tensor([0, 1])
     with pytest.raises(ValueError, match=r"states: expected shape \[L=2"):

@@ -86,3 +86,28 @@ def test_pending_mistakes_are_refused(device):
     bad = PendingPaths(tree, torch.tensor([9, 0], device=device), paths.request_map)
     with pytest.raises(ValueError, match="pending.paths.accepted: has an entry out of range"):
         tree_verify(*x.args(tree), pending=PendingCommit(bad, res), validate=True)
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+def test_committing_twice_is_a_no_op(device, path, monkeypatch):
+    """A second tree_commit of the same result, or a fold of a path a flush already committed, changes nothing:
+    each request's mark in the result says its path is in the pool."""
+    if path == "fallback":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device = "cpu"
+    tree = make_tree([6, 4], device=device)
+    x = make_inputs(tree, 2, 4, 32, 32, F32, device)
+    res = tree_verify(*x.args(tree))
+    assert res.committed.tolist() == [0, 0]
+    accepted = torch.tensor([5, -1], device=device)
+    tree_commit(x.state, x.state_indices, res, accepted)
+    once = x.state.clone()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert torch.equal(x.state, once)
+    tree_commit(x.state, x.state_indices, res, torch.tensor([5, 2], device=device))  # request 1 not yet: commits
+    assert not torch.equal(x.state, once) and res.committed.tolist()[0] != 0 and res.committed.tolist()[1] != 0
+    twice = x.state.clone()
+    paths = PendingPaths.between_rounds(tree, torch.tensor([5, 2], device=device), x.state_indices,
+                                        x.state_indices, x.state.shape[0])
+    tree_verify(*x.args(tree), pending=PendingCommit(paths, res))  # both paths already committed: no fold
+    assert torch.equal(x.state, twice)

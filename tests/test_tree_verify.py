@@ -395,7 +395,7 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes):
 
     tree = make_tree(sizes, "random", seed=31, device=device)
     heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
-    results = LayerResults.empty(layers, tree.num_nodes, heads, torch.float32, device)
+    results = LayerResults.empty(layers, tree, heads, torch.float32, device)
     pools, expected = [], []
     accepted = torch.tensor([s - 1 if r != 1 else -1 for r, s in enumerate(sizes)], device=device)
     for layer in range(layers):

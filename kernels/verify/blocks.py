@@ -132,17 +132,21 @@ def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, 
 
 @triton.jit
 def pending_path(i_r, i_h, i_hk, map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
-                 k_scale_ptr, H_V, H_K, B_T: tl.constexpr, B_P: tl.constexpr):
+                 k_scale_ptr, committed_ptr, epoch, H_V, H_K, B_T: tl.constexpr, B_P: tl.constexpr):
     """The previous round's accepted path of request ``i_r``'s slot, to fold into its state before this round
     reads it: ``map_ptr[i_r]`` is the previous round's request of that slot (-1: nothing pending), ``B_P`` at
     least the previous trees' depth + 1. Returns (rows, mask, weights, decay ``P_a``, pending); a request
-    with nothing pending (or an accepted node out of range) gets weights 0 and decay 1, an exact no-op."""
+    with nothing pending (or an accepted node out of range, or a path an earlier launch committed: its mark in
+    ``committed_ptr`` is neither 0 nor this launch's ``epoch``) gets weights 0 and decay 1, an exact no-op;
+    the others are marked committed with ``epoch``."""
     prev = tl.load(map_ptr + i_r).to(tl.int64)
     prev_safe = tl.maximum(prev, 0)
     accepted = tl.load(accepted_ptr + prev_safe).to(tl.int64)
     bos = tl.load(offsets_ptr + prev_safe).to(tl.int64)
     size = tl.load(offsets_ptr + prev_safe + 1).to(tl.int64) - bos
-    pending = (prev >= 0) & (accepted >= 0) & (accepted < size)
+    mark = tl.load(committed_ptr + prev_safe)
+    pending = (prev >= 0) & (accepted >= 0) & (accepted < size) & ((mark == 0) | (mark == epoch))
+    tl.store(committed_ptr + prev_safe, epoch, mask=pending)
     accepted = tl.where(pending, accepted, 0)
     rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
                                              k_scale_ptr, H_V, H_K, B_T, B_P)

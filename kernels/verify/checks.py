@@ -97,6 +97,7 @@ def check_commit_inputs(state, state_indices, result, accepted, validate) -> Non
         raise ValueError("state: the last (dk) dimension must be contiguous (stride 1); the pool is updated in place")
     require_shape("state_indices", state_indices, (tree.num_requests,), "[B] (one slot per request)")
     require_shape("accepted", accepted, (tree.num_requests,), "[B] (one node per request)")
+    require_shape("res.committed", result.committed, (tree.num_requests,), "[B] (one mark per request)")
     for name, x in (("state_indices", state_indices), ("accepted", accepted)):
         if x.dtype not in INDEX_DTYPES:
             raise TypeError(f"{name}: dtype {x.dtype}; expected int32 or int64")

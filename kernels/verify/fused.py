@@ -28,17 +28,17 @@ from .blocks import ancestry, floored, fold_tile, norm_scales, pending_path, qk_
 
 # head counts and the block table's width vary per model and batch without changing the code:
 # leaving them unspecialised lets one compiled kernel serve every model with the same head sizes
-@triton.jit(do_not_specialize=["max_blocks", "H_V", "H_K"])
+@triton.jit(do_not_specialize=["max_blocks", "H_V", "H_K", "epoch"])
 def tree_verify_fused_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     # tree topology
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
-    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
     fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
-    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr,
+    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, max_blocks, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -56,6 +56,7 @@ def tree_verify_fused_kernel(
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    tl.store(committed_ptr + i_r, 0, mask=(i_v == 0) & (i_h == 0))  # a fresh result: nothing committed yet
     # the keys (raw, plus their scale) are kept for the commit by one program per key head
     write_keys = (i_v == 0) & (i_h % (H_V // H_K) == 0)
 
@@ -64,7 +65,7 @@ def tree_verify_fused_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
-            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_TP, B_P)
+            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch, H_V, H_K, B_TP, B_P)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):
         o_i = i_b * B_T + tl.arange(0, B_T)

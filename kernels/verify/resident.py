@@ -37,17 +37,17 @@ RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
 
 
-@triton.jit(do_not_specialize=["H_V", "H_K"])
+@triton.jit(do_not_specialize=["H_V", "H_K", "epoch"])
 def tree_verify_resident_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     # tree topology
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
-    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
     fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
-    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr,
+    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -68,6 +68,7 @@ def tree_verify_resident_kernel(
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    tl.store(committed_ptr + i_r, 0, mask=(i_h == 0) & (i_part == 0))  # a fresh result: nothing committed yet
     # one program per key head writes the keys and their scales, the first part of each head logP
     write_keys = (i_h % (H_V // H_K) == 0) & (i_part == 0)
 
@@ -121,7 +122,7 @@ def tree_verify_resident_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
-            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_TP, B_P)
+            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch, H_V, H_K, B_TP, B_P)
     for i_v in range(0, D_V // V_SPLIT, B_V):
         o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
         b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ class TreeVerifyResult:
     log_decay: ``[N, Hv]`` float32, ``logP`` (path cumulative sum of g).
     k: ``[N, Hk, dk]`` in k's dtype, a copy of the raw keys (inputs may be reused before commit).
     k_scale: ``[N, Hk]`` float32, the factor that normalises each key (1 without L2 norm).
+    committed: ``[B]`` int32, 0 until a request's path is committed, then the commit's `commit_epoch`: a
+        commit (or fold) skips a request already committed by an earlier one, so committing twice is a no-op.
     tree: the trees verified.
     """
 
@@ -27,6 +30,7 @@ class TreeVerifyResult:
     log_decay: torch.Tensor
     k: torch.Tensor
     k_scale: torch.Tensor
+    committed: torch.Tensor
     tree: TreeBatch
 
 
@@ -73,6 +77,15 @@ class VerifyShape:
     scale: float
 
 
+_epochs = itertools.count(1)
+
+
+def commit_epoch() -> int:
+    """A number no earlier commit launch of this process used (below 2^31): the launch marks the requests
+    it commits with it, and each of its programs proceeds where the mark is 0 or its own."""
+    return next(_epochs) % (2 ** 31 - 1) + 1
+
+
 def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBatch,
                    out: TreeVerifyResult | None) -> TreeVerifyResult:
     """Fresh output buffers, or ``out`` (for example reused across layers) after checking it fits."""
@@ -83,6 +96,7 @@ def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBat
         "log_decay": ((n, h.hv), torch.float32),
         "k": ((n, h.hk, h.dk), dtype),
         "k_scale": ((n, h.hk), torch.float32),
+        "committed": ((shape.num_requests,), torch.int32),
     }
     if out is None:
         buffers = {name: torch.empty(size, dtype=dt, device=device) for name, (size, dt) in expected.items()}

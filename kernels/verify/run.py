@@ -11,7 +11,7 @@ from ..common import dot_precision, gram_dtype, token_head_strides
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
-from .result import PendingCommit, TreeVerifyResult, VerifyShape
+from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
@@ -32,18 +32,18 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}
     if pending is None:  # the fold's pointers are unused: any tensors do
-        fold = (tree.offsets,) * 6 + (res.u, res.log_decay, res.k, res.k_scale)
+        fold = (tree.offsets,) * 6 + (res.u, res.log_decay, res.k, res.k_scale, res.committed, 0)
         extra.update(FOLD=False)
     else:
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.accepted, paths.tree.offsets, paths.tree.dfs_enter, paths.tree.dfs_exit,
-                paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale)
+                paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed, commit_epoch())
         extra.update(FOLD=True, B_TP=node_block(paths.tree.max_tree_size),
                      B_P=max(16, triton.next_power_of_2(paths.tree.depth + 1)))
     kernel(
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-        res.o, res.u, res.log_decay, res.k, res.k_scale, *fold,
+        res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, *fold,
         shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2),

@@ -27,7 +27,7 @@ def serial_verify_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr, offsets_ptr, parents_ptr,
     # outputs and the per-node snapshot buffer
-    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, snapshot_ptr,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, snapshot_ptr,
     # scalars and strides
     scale,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -44,6 +44,7 @@ def serial_verify_kernel(
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    tl.store(committed_ptr + i_r, 0, mask=(i_v == 0) & (i_h == 0))  # a fresh result: nothing committed yet
     write_keys = (i_v == 0) & (i_h % (H_V // H_K) == 0)
     o_v = i_v * B_V + tl.arange(0, B_V)
     o_k = tl.arange(0, D_K)
@@ -105,7 +106,7 @@ def serial_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale
     grid = (dv // block_v, hv, shape.num_requests)
     serial_verify_kernel[grid](
         q, k, v, g, beta, state, state_indices, tree.offsets, tree.parents,
-        res.o, res.u, res.log_decay, res.k, res.k_scale, snapshots,
+        res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, snapshots,
         shape.scale,
         sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),

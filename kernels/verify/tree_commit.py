@@ -33,20 +33,20 @@ from ..common import INDEX_DTYPES, require_tensor, use_triton
 from ..reference import commit_closed_form
 from .blocks import path_factors
 from .checks import check_commit_inputs
-from .result import TreeVerifyResult
+from .result import TreeVerifyResult, commit_epoch
 
 COMMIT_TARGET_PROGRAMS = 264  # two per SM of an H200: fewer leaves the copy latency-bound
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def tree_commit_kernel(
     # state pool and request metadata
     state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
     # factors from the verification
-    u_ptr, logp_ptr, k_ptr, k_scale_ptr,
+    u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch,
     # strides (per layer: 0 for a single layer)
     stride_s_layer, stride_s_slot, stride_s_h, stride_s_v,
-    stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, num_requests,
+    stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, stride_committed_layer, num_requests,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
@@ -60,14 +60,18 @@ def tree_commit_kernel(
     logp_ptr += i_l * stride_logp_layer
     k_ptr += i_l * stride_k_layer
     k_scale_ptr += i_l * stride_k_scale_layer
+    committed_ptr += i_l * stride_committed_layer
     i_hk = i_h // (H_V // H_K)
     i_span = i_tile // (D_K // B_K)
     i_k = i_tile % (D_K // B_K)
     accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
-    # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse
-    if (accepted >= 0) & (accepted < num_nodes):
+    # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
+    # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
+    mark = tl.load(committed_ptr + i_r)
+    if (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch)):
+        tl.store(committed_ptr + i_r, epoch)
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
         o_k = i_k * B_K + tl.arange(0, B_K)
         p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
@@ -124,7 +128,7 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
         commit_closed_form(state, state_indices, res, accepted, validate=False)
         return
     _launch(state[None], state_indices, res.tree, accepted, res.u[None], res.log_decay[None], res.k[None],
-            res.k_scale[None], b_k, b_v, num_warps, v_span, num_stages)
+            res.k_scale[None], res.committed[None], b_k, b_v, num_warps, v_span, num_stages)
 
 
 @dataclass
@@ -140,15 +144,18 @@ class LayerResults:
     log_decay: torch.Tensor
     k: torch.Tensor
     k_scale: torch.Tensor
+    committed: torch.Tensor
 
     @classmethod
-    def empty(cls, num_layers: int, num_nodes: int, heads: HeadShape, dtype: torch.dtype, device) -> "LayerResults":
-        n, h = num_nodes, heads
+    def empty(cls, num_layers: int, tree: TreeBatch, heads: HeadShape, dtype: torch.dtype, device) -> "LayerResults":
+        """Buffers for ``num_layers`` layers verifying ``tree`` (its nodes and requests size them)."""
+        n, h = tree.num_nodes, heads
         return cls(o=torch.empty(num_layers, n, h.hv, h.dv, dtype=dtype, device=device),
                    u=torch.empty(num_layers, n, h.hv, h.dv, dtype=torch.float32, device=device),
                    log_decay=torch.empty(num_layers, n, h.hv, dtype=torch.float32, device=device),
                    k=torch.empty(num_layers, n, h.hk, h.dk, dtype=dtype, device=device),
-                   k_scale=torch.empty(num_layers, n, h.hk, dtype=torch.float32, device=device))
+                   k_scale=torch.empty(num_layers, n, h.hk, dtype=torch.float32, device=device),
+                   committed=torch.zeros(num_layers, tree.num_requests, dtype=torch.int32, device=device))
 
     @property
     def num_layers(self) -> int:
@@ -156,7 +163,7 @@ class LayerResults:
 
     def layer(self, index: int, tree: TreeBatch | None = None) -> TreeVerifyResult:
         return TreeVerifyResult(o=self.o[index], u=self.u[index], log_decay=self.log_decay[index], k=self.k[index],
-                                k_scale=self.k_scale[index], tree=tree)
+                                k_scale=self.k_scale[index], committed=self.committed[index], tree=tree)
 
 
 def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeBatch, accepted,
@@ -186,11 +193,11 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         for layer in range(results.num_layers):
             commit_closed_form(states[layer], state_indices, results.layer(layer, tree), accepted, validate=False)
         return
-    _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale, b_k, b_v,
-            num_warps, v_span, num_stages)
+    _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale,
+            results.committed, b_k, b_v, num_warps, v_span, num_stages)
 
 
-def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, b_k, b_v, num_warps, v_span,
+def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, committed, b_k, b_v, num_warps, v_span,
             num_stages) -> None:
     """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``)."""
     layers, _, hv, dv, dk = states.shape
@@ -208,9 +215,9 @@ def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, b_k
     grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
     tree_commit_kernel[grid](
         states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
-        u, log_decay, k, k_scale,
+        u, log_decay, k, k_scale, committed, commit_epoch(),
         states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
-        u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), tree.num_requests,
+        u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, V_SPAN=v_span, B_P=16,
         num_warps=num_warps, num_stages=num_stages,
     )
