@@ -33,6 +33,7 @@ from pathlib import Path
 from bole_tune import database
 from bole_tune.acceptance import DEFAULT_WORKLOAD, AcceptanceModel, list_acceptance_models, load_acceptance
 from bole_tune.draft_trees import MAX_DEPTH, DraftTree, SGLangBeam, best_first_tree, chain_tree
+from bole_tune.engines.exports import export_engine_settings
 from bole_tune.profiles import DrafterShape, ModelProfile, ProfileError, resolve_model
 
 ENGINES = ("sglang", "vllm", "bole")
@@ -314,8 +315,6 @@ def store_budgets(models=None, workloads=None, engines=None, slug: str | None = 
     database.update(path, budgets=budgets)
     result = BudgetResult(slug, path, budgets)
     if export:
-        from bole_tune.engines.exports import export_engine_settings
-
         for entry in budgets.values():
             if entry["engine"] != "bole":
                 result.exported += list(export_engine_settings(entry, export))
