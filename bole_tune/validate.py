@@ -35,8 +35,11 @@ def _transformers():
         import transformers
     except ImportError:
         raise RuntimeError("transformers is not installed: pip install -e '.[validate]' (or pip install transformers)") from None
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3.5 (qwen3_5); install >= 5.0")
+    # the recurrent-state cache API the checks read (DynamicCache.get_recurrent_state) came with 5.21
+    if not hasattr(transformers, "Qwen3_5ForCausalLM") or not hasattr(transformers.DynamicCache, "get_recurrent_state"):
+        raise RuntimeError(f"transformers {transformers.__version__} is too old for bole-tune validate (it reads "
+                           "Qwen3.5's recurrent state through DynamicCache.get_recurrent_state): pip install "
+                           "'transformers>=5.21'")
     return transformers
 
 
