@@ -1,23 +1,25 @@
 """The ``bole-tune`` command line (``bole_tune.cli``): parse, call one library function per command (named
-in its docstring), render with rich (`bole_tune.render`). A usage error or a bad file prints one line,
-exit status 2. Commands import optuna, the kernels or matplotlib themselves, so ``--help`` starts fast.
+in its docstring), render with rich (`bole_tune.render`). A usage error or a bad file prints one line on
+stderr, exit status 2, naming the flag, file or field; numbers are checked by their argparse types and output
+paths by `bole_tune.arguments.check_output` before any work starts. Commands import optuna, the kernels or
+matplotlib themselves, so ``--help`` starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from bole_tune import database, render
-from bole_tune.atomic import write_text_atomic
+from bole_tune.arguments import (MAX_CONTEXT, MAX_REPEATS, MAX_TREE_DEPTH, MIN_REPEATS, check_outputs, integer,
+                                 integers, seconds, write_or_rescue)
 from bole_tune.fingerprint import fingerprint
 from bole_tune.profiles import DEFAULT_MODELS
-from bole_tune.shapes import DTYPES
+from bole_tune.shapes import DTYPES, SUPPORTED_HEAD_DIMS
+from bole_tune.workloads import MAX_BATCH, MAX_TREE_SIZE
 
 console = Console()
 err_console = Console(stderr=True)
@@ -27,35 +29,22 @@ class UsageError(Exception):
     """A mistake in the command line or its files: reported in one line, exit status 2."""
 
 
+def _say(lines) -> None:
+    console.print(*lines, sep="\n")
+
+
+def _fail(message, code: int = 2) -> int:
+    """Print ``message`` as one line on stderr (no markup, no wrapping); returns the exit status."""
+    err_console.print(" ".join(str(message).split()), style="red", markup=False, highlight=False, soft_wrap=True)
+    return code
+
+
 def _call(function, *args, **kwargs):
     """``function(*args, **kwargs)``, a bad value or file (ValueError, LookupError) becoming a `UsageError`."""
     try:
         return function(*args, **kwargs)
     except (ValueError, LookupError) as error:
         raise UsageError(str(error)) from None
-
-
-def _positive_ints(text: str) -> list[int]:
-    values = [int(x) if x.isdigit() else 0 for x in text.replace(",", " ").split()]
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
-def _bar() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), console=console)
-
-
-def _stage_progress(bar: Progress):
-    """A `bole_tune.profiler.Progress` callback drawing one bar per stage."""
-    tasks = {}
-
-    def report(p):
-        if p.stage not in tasks:
-            tasks[p.stage] = bar.add_task(p.stage, total=p.total)
-        bar.update(tasks[p.stage], completed=p.done, total=p.total, description=f"{p.stage} {p.label}".strip())
-    return report
 
 
 def cmd_bench(args) -> int:
@@ -71,8 +60,8 @@ def cmd_bench(args) -> int:
         console.print(f"tree_verify(config=None) lookup after the first call: {lookup_cost_ns(device):.0f} ns per "
                       f"call on {device}")
         return 0
+    _call(check_outputs, args, json=False)
     models = [_call(resolve_model, m) for m in (args.model or ["qwen3.5-9b"])]
-
     run = run_cases(models, args.batch, args.tree_size, DTYPES[args.dtype], args.max_depth, args.repeats,
                     serial=not args.no_serial, commit=not args.no_commit, chain=args.chain,
                     progress=lambda rows: console.print(render.bench_progress(rows)))
@@ -81,7 +70,7 @@ def cmd_bench(args) -> int:
                   f"[bold]bole-tune bench[/] on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
     console.print(render.bench(run.rows))
     if args.json:
-        write_text_atomic(args.json, json.dumps({"environment": env, "rows": run.rows}, indent=1, default=str) + "\n")
+        _call(write_or_rescue, args.json, render.json_text({"environment": env, "rows": run.rows}) + "\n", "--json")
         console.print(f"rows written to {args.json}")
     return 0
 
@@ -94,7 +83,7 @@ def cmd_env(args) -> int:
         raise UsageError(f"--device {args.device}: {error}") from None
     path = database.database_path(fp.slug)
     if args.json:
-        print(json.dumps({**fp.as_dict(), "database": str(path)}, indent=1))
+        print(render.json_text({**fp.as_dict(), "database": str(path)}))
         return 0
     console.print(render.facts(f"{fp.name} ({fp.source})",
                                [("slug", fp.slug), *fp.facts.items(), ("database file", path)]))
@@ -103,27 +92,33 @@ def cmd_env(args) -> int:
     return 0
 
 
-def _plan(args):
-    from bole_tune.profiler import make_plan
+def _plan(args, runner_kind: str):
+    """`profile`'s or `tune`'s plan and search space; output paths, --trials and --workers checked first."""
+    from bole_tune.profiler import make_plan, plan_keys
+    from bole_tune.search_space import SearchSpace
+    from bole_tune.workers import check_workers
 
-    return _call(make_plan, args.model, args.dtype, args.tp, args.quick, args.batch, args.tree_size, args.trials,
+    _call(check_outputs, args, db_dir=True, record=False)
+    plan = _call(make_plan, args.model, args.dtype, args.tp, args.quick, args.batch, args.tree_size, args.trials,
                  args.repeats, getattr(args, "curve_batch", None), getattr(args, "curve_tree_size", None),
                  serial=not getattr(args, "no_serial", False))
-
-
-def _say(lines) -> None:
-    for line in lines:
-        console.print(line)
+    space = _call(SearchSpace.load)
+    if args.sampler != "grid":  # a grid measures every config whatever --trials says
+        _call(space.check_trials, plan.n_trials)
+    if args.workers is not None:
+        per_bucket = space.size if args.sampler == "grid" else plan.n_trials
+        _call(check_workers, args.workers, runner_kind, len(plan_keys(plan)) * per_bucket)
+    return plan, space
 
 
 def cmd_profile(args) -> int:
     """`bole_tune.profiler.profile`."""
     from bole_tune.profiler import profile
 
-    plan = _plan(args)
-    with _bar() as bar:
+    plan, space = _plan(args, "gpu")
+    with render.progress_bar(console) as bar:
         result = _call(profile, plan, args.db_dir, args.storage, args.workers, args.sampler, args.replace_corrupt,
-                       progress=_stage_progress(bar))
+                       space=space, progress=render.stage_progress(bar), remeasure=args.remeasure)
     _say([f"[bold]bole-tune profile[/] on {result.device_name} -> {result.path}", *result.notes,
           *([render.tuning(result.tuned)] if result.tuned else []), render.curves(result.curve_rows),
           f"database written: {result.path}"])
@@ -136,10 +131,8 @@ def cmd_tune(args) -> int:
 
     from bole_tune.profiler import exhaustive, tune
     from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
-    from bole_tune.search_space import SearchSpace
 
-    plan = _plan(args)
-    space = _call(SearchSpace.load)
+    plan, space = _plan(args, "replay" if args.replay else "gpu")
     if args.record and not args.exhaustive:
         raise UsageError("--record: only with --exhaustive (tuning workers record into the Optuna storage)")
     if args.replay:
@@ -150,14 +143,14 @@ def cmd_tune(args) -> int:
         runner = GPURunner("cuda", repeats=plan.repeats)
     if args.record:
         runner = RecordingRunner(runner, args.record)
-    db_path = database.database_path(runner.fingerprint().slug, args.db_dir)
+    db_path = _call(database.database_path, runner.fingerprint().slug, args.db_dir)
     console.print(f"[bold]bole-tune tune[/] with {runner.name} -> {db_path}")
-    with _bar() as bar:
+    with render.progress_bar(console) as bar:
         if args.exhaustive:
-            found = exhaustive(plan, runner, space, progress=_stage_progress(bar))
+            found = exhaustive(plan, runner, space, progress=render.stage_progress(bar))
         else:
             result = _call(tune, plan, runner, space, db_path, args.storage, args.workers, args.sampler,
-                           args.replace_corrupt, progress=_stage_progress(bar))
+                           args.replace_corrupt, progress=render.stage_progress(bar))
     if args.exhaustive:
         _say(render.exhaustive(found))
     else:
@@ -183,7 +176,7 @@ def cmd_show(args) -> int:
         found = _found(args)
         data, where = found.as_data(), found.where
     if args.json:
-        print(json.dumps(data, indent=1, default=str))
+        print(render.json_text(data))
         return 0
     _say([f"[bold]{where}[/] — {data['device'].get('name', '?')} (schema {data['schema_version']})",
           render.configs(data), *render.curve_summaries(data)])
@@ -193,25 +186,23 @@ def cmd_show(args) -> int:
 def cmd_lookup(args) -> int:
     """`bole_tune.lookup.decide`: the config tree_verify(config=None) would run, and why."""
     from bole_tune.lookup import decide, policy
-    from bole_tune.shapes import SUPPORTED_HEAD_DIMS, HeadShape
+    from bole_tune.shapes import HeadShape
 
-    for name in ("hv", "hk", "tree_size", "batch", "tp"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer")
-    for name in ("dk", "dv"):
-        if getattr(args, name) not in SUPPORTED_HEAD_DIMS:
-            raise UsageError(f"--{name}: {getattr(args, name)} is not a supported head size {SUPPORTED_HEAD_DIMS}")
     if args.hv % args.hk:
         raise UsageError(f"--hv {args.hv} must be a multiple of --hk {args.hk}")
     slug = args.gpu or fingerprint().slug
-    heads = HeadShape(hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv)
+    try:
+        heads = HeadShape(hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv).per_rank(args.tp)
+    except ValueError as error:
+        raise UsageError(f"--tp: {str(error).removeprefix('tp: ')}") from None
     key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp)
     mode = args.policy or _call(policy)
     decision = _call(decide, key, slug, mode, args.db_dir)
     if args.json:
-        print(json.dumps({"gpu": slug, "key": key.text, "policy": mode, "how": decision.how, "reason": decision.reason,
-                          "config": decision.config.as_dict(), "kernel": decision.kernel,
-                          "tuned_p50_us": decision.latency_us, "source": decision.source}, indent=1))
+        print(render.json_text({"gpu": slug, "key": key.text, "policy": mode, "how": decision.how,
+                                "reason": decision.reason, "config": decision.config.as_dict(),
+                                "kernel": decision.kernel, "tuned_p50_us": decision.latency_us,
+                                "source": decision.source}))
         return 0
     kernel = f" on the {decision.kernel} kernel" if decision.kernel else ""
     console.print(f"{key.text} on {slug}: [bold]{decision.config}[/]{kernel} ({decision.how}: {decision.reason})")
@@ -222,7 +213,8 @@ def cmd_step(args) -> int:
     """`bole_tune.step_latency.measure_and_store`."""
     from bole_tune.step_latency import measure_and_store
 
-    with _bar() as bar:
+    _call(check_outputs, args, db_dir=True)
+    with render.progress_bar(console) as bar:
         task = bar.add_task("step latency", total=None)
         result = _call(measure_and_store, args.model, args.batch, args.tree_size, args.context, args.repeats,
                        serial=not args.no_serial, attention=args.attention, db_dir=args.db_dir,
@@ -236,6 +228,7 @@ def cmd_budget(args) -> int:
     """`bole_tune.budget.store_budgets`."""
     from bole_tune.budget import store_budgets
 
+    _call(check_outputs, args, db_dir=True, export=True)
     result = _call(store_budgets, args.model, args.acceptance, args.engine, args.gpu, args.db_dir, args.export)
     _say([*render.budgets(result), f"budgets written: {result.path}", *(f"written: {f}" for f in result.exported)])
     return 0
@@ -245,6 +238,7 @@ def cmd_calibrate(args) -> int:
     """`bole_tune.acceptance.calibrate` (and `save_acceptance`)."""
     from bole_tune.acceptance import calibrate, save_acceptance
 
+    _call(check_outputs, args, out=False)
     model, stats = _call(calibrate, args.log, args.name)
     console.print(f"fitted on {stats['rounds']} rounds: per depth {render.numbers(model.depth_acceptance)}; "
                   f"alternatives {render.numbers(model.alternative_share)}; below one x{model.branch_continuation:.2f}")
@@ -258,6 +252,7 @@ def cmd_report(args) -> int:
     """`bole_tune.report.write_report` on the database `show` shows."""
     from bole_tune.report import write_report
 
+    _call(check_outputs, args, out=True)
     data = _found(args).as_data()
     files = _call(write_report, data, args.out)
     _say([*render.report_summary(data), *(f"written: {f}" for f in files)])
@@ -271,8 +266,6 @@ def cmd_validate(args) -> int:
     from bole_tune import validate
     from bole_tune.kernels.common import use_triton
 
-    if min(args.trees, args.prompts, args.tokens) < 1:
-        raise UsageError("--trees, --prompts and --tokens must be positive")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = validate.PRODUCTION if args.production else validate.ModelSize()
     kernels = "the Triton kernels" if use_triton(torch.device(device)) else "the PyTorch fallback (no GPU, no Triton)"
@@ -297,16 +290,18 @@ MODELS = {"action": "append", "help": f"model profile, repeatable (default: {', 
 GPU = {"help": "GPU slug, e.g. nvidia-h200 (default: this machine's)"}
 DB_DIR = {"type": Path, "help": "tuning database folder, read alone and written (default: $BOLE_TUNE_DB, else "
                                 "~/.local/share/bole-tune/tuning_db, read before the database shipped with bole-tune)"}
-INTS = {"type": _positive_ints}
-TUNING = {"--model": MODELS, "--dtype": {"choices": list(DTYPES), "default": "bf16"},
-          "--tp": {"type": int, "default": 1, "help": "tensor-parallel degree: heads per rank = heads / tp"},
+POSITIVE = {"type": integer(1)}
+BATCHES = {"type": integers(MAX_BATCH), "help": f"batch sizes, e.g. 1,4,16 (at most {MAX_BATCH})"}
+TREE_SIZES = {"type": integers(MAX_TREE_SIZE), "help": f"nodes per request, e.g. 16,64 (at most {MAX_TREE_SIZE})"}
+REPEATS = {"type": integer(MIN_REPEATS, MAX_REPEATS), "help": "timed replays per measurement"}
+TP = {"type": integer(1), "default": 1, "help": "tensor-parallel degree: heads per rank = heads / tp"}
+TUNING = {"--model": MODELS, "--dtype": {"choices": list(DTYPES), "default": "bf16"}, "--tp": TP,
           "--quick": {**FLAG, "help": "small grid (batch 1,4,16; tree 16,64,128) and 16 trials"},
-          "--batch": {**INTS, "help": "batch sizes to tune"}, "--tree-size": {**INTS, "help": "tree sizes to tune"},
-          "--trials": {"type": int, "help": "Optuna trials per bucket (default 32, 16 with --quick)"},
+          "--batch": BATCHES, "--tree-size": TREE_SIZES, "--repeats": {**REPEATS, "default": 30},
+          "--trials": {**POSITIVE, "help": "Optuna trials per bucket, at most one per config (default 32, 16 quick)"},
           "--storage": {"help": "Optuna storage URL (default: an SQLite file in ~/.cache/bole-tune); an interrupted "
                                 "run resumes from it; more hosts join with the same command and storage"},
-          "--repeats": {"type": int, "default": 30, "help": "timed CUDA-graph replays per measurement"},
-          "--workers": {"type": int, "help": "worker processes on this host (default: one per visible GPU)"},
+          "--workers": {**POSITIVE, "help": "worker processes on this host (default: one per visible GPU)"},
           "--sampler": {"choices": ["tpe", "grid", "random"], "default": "tpe",
                         "help": "Optuna sampler (grid: every config, split among the workers)"},
           "--replace-corrupt": {**FLAG, "help": "if the database file is corrupt, keep a copy and start a new one"},
@@ -319,15 +314,16 @@ COMMANDS = {
                 "tree_verify (tuned and default), serial_verify and tree_commit, and write it all with provenance "
                 "to <db-dir>/<gpu>.yaml. Without a GPU it measures the CPU fallback and says so.",
                 {**TUNING, "--no-serial": {**FLAG, "help": "skip the serial baseline curve"},
-                 "--curve-batch": {**INTS, "help": "batch sizes of the latency curves (default: as tuned)"},
-                 "--curve-tree-size": {**INTS, "help": "tree sizes of the latency curves (default: as tuned)"}}),
+                 "--curve-batch": {**BATCHES, "help": "batch sizes of the latency curves (default: as tuned)"},
+                 "--curve-tree-size": {**TREE_SIZES, "help": "tree sizes of the latency curves (default: as tuned)"},
+                 "--remeasure": {**FLAG, "help": "measure curve points again though this code measured them"}}),
     "tune": (cmd_tune, "tune tile configs per bucket (no curves)",
              "Run the Optuna studies only. --exhaustive measures every config instead (the yardstick); --record "
              "FILE saves every measurement; --replay FILE runs the tuner on recorded measurements (no GPU needed).",
              {**TUNING, "--exhaustive": {**FLAG, "help": "measure every config of the search space"},
               "--record": {"type": Path, "help": "write every measurement to this JSON file"},
               "--replay": {"type": Path, "help": "answer from a recording instead of the GPU"},
-              "--replay-delay": {"type": float, "default": 0.0, "help": "seconds each replayed measurement takes"}}),
+              "--replay-delay": {"type": seconds, "default": 0.0, "help": "seconds each replayed measurement takes"}}),
     "show": (cmd_show, "render the tuning database the runtime reads (rich tables, or --json)",
              "The tuned configs, curves and budgets of one GPU, merged from the folders the runtime reads "
              "(bole_tune.database), or of one --file.",
@@ -336,11 +332,11 @@ COMMANDS = {
     "lookup": (cmd_lookup, "print the config the runtime would pick for a shape, and why",
                "Resolve a tile config as tree_verify(config=None) does: the exact bucket, else the nearest tuned "
                "bucket, else the default (policy from BOLE_TUNE_LOOKUP).",
-               {"--gpu": GPU, **{f"--{h}": {"type": int, "required": True} for h in ("hv", "hk", "dk", "dv")},
-                "--dtype": {"choices": list(DTYPES), "default": "bf16"},
-                "--tree-size": {"type": int, "required": True, "help": "nodes of the largest tree in the batch"},
-                "--batch": {"type": int, "required": True, "help": "requests in the batch"},
-                "--tp": {"type": int, "default": 1},
+               {"--gpu": GPU, **{f"--{h}": {**POSITIVE, "required": True, "help": "model heads, split over --tp ranks"}
+                                 for h in ("hv", "hk")}, "--dtype": {"choices": list(DTYPES), "default": "bf16"},
+                **{f"--{h}": {"type": int, "choices": SUPPORTED_HEAD_DIMS, "required": True} for h in ("dk", "dv")},
+                "--tree-size": {**POSITIVE, "required": True, "help": "nodes of the largest tree in the batch"},
+                "--batch": {**POSITIVE, "required": True, "help": "requests in the batch"}, "--tp": TP,
                 "--policy": {"choices": ["nearest", "strict", "default"], "help": "override BOLE_TUNE_LOOKUP"},
                 "--json": FLAG, "--db-dir": DB_DIR}),
     "env": (cmd_env, "fingerprint this machine's GPU (NVML matched by UUID / PCI bus id)",
@@ -353,29 +349,28 @@ COMMANDS = {
               "engines use (serial_verify), and the commit. Without a GPU it times small CPU cases and says so.",
               {"--model": {"action": "append", "help": "model profile (repeatable; default qwen3.5-9b: a quick look "
                                                        "at one layer, not a database to fill)"},
-               "--batch": {**INTS, "help": "batch sizes, e.g. 1,4,16"},
-               "--tree-size": {**INTS, "help": "nodes per request, e.g. 16,64,256"},
-               "--dtype": {"choices": list(DTYPES), "default": "bf16"},
-               "--max-depth": {"type": int, "default": 8, "help": "tree depth bound (edges), default 8"},
+               "--batch": BATCHES, "--tree-size": TREE_SIZES, "--dtype": {"choices": list(DTYPES), "default": "bf16"},
+               "--max-depth": {"type": integer(1, MAX_TREE_DEPTH), "default": 8,
+                               "help": f"tree depth bound (edges), default 8, at most {MAX_TREE_DEPTH}"},
                "--no-serial": {**FLAG, "help": "skip the serial baseline"},
                "--no-commit": {**FLAG, "help": "skip tree_commit and the rounds"},
                "--chain": {**FLAG, "help": "each request a chain of T nodes (an MTP drafter's proposal)"},
-               "--repeats": {"type": int, "default": 50, "help": "timed graph replays per case"},
-               "--json": {"type": Path, "help": "also write the rows as JSON to this file"},
-               "--lookup": {**FLAG, "help": "only time the runtime config lookup (cached path)"}}),
+               "--repeats": {**REPEATS, "default": 50}, "--lookup": {**FLAG, "help": "only time the runtime lookup"},
+               "--json": {"type": Path, "help": "also write the rows as JSON to this file"}}),
     "step": (cmd_step, "measure the whole verification step of each model (needs a GPU)",
              "Time one GDN layer's round (conv, gates, tree_verify, commit; and through serial_verify), one attention "
              "layer (tree attention over a KV context, as engines run it) and the LM head at the model's real shapes "
              "with random weights, as CUDA graphs, per batch and tree size; the step is their sum over the model's "
              "layers. Writes step curves to the database.",
-             {"--model": MODELS, "--batch": {**INTS, "help": "batch sizes (default 1,2,4,8,16,32)"},
-              "--tree-size": {**INTS, "help": "verified tokens per request, 1 = no speculation (default 1-6, 8, "
-                                              "12, 16, 24, 32, 48, 64, 96, 128)"},
+             {"--model": MODELS, "--batch": {**BATCHES, "help": "batch sizes (default 1,2,4,8,16,32)"},
+              "--tree-size": {**TREE_SIZES, "help": "verified tokens per request, 1 = no speculation (default 1-6, "
+                                                   f"8, 12, 16, 24, 32, 48, 64, 96, 128; at most {MAX_TREE_SIZE})"},
               "--attention": {"type": lambda text: text.replace(",", " ").split(), "default": ["split"],
                               "help": "tree attention methods to time, the fastest counts: split, flex"},
-              "--context": {"type": int, "default": 4096, "help": "KV context length of the attention layers"},
+              "--context": {"type": integer(1, MAX_CONTEXT), "default": 4096,
+                            "help": "KV context length of the attention layers"},
               "--no-serial": {**FLAG, "help": "skip the serial_verify variant"},
-              "--repeats": {"type": int, "default": 20}, "--replace-corrupt": FLAG, "--db-dir": DB_DIR}),
+              "--repeats": {**REPEATS, "default": 20}, "--replace-corrupt": FLAG, "--db-dir": DB_DIR}),
     "budget": (cmd_budget, "choose the draft shape per batch size, model, workload and engine; export engine files",
                "Per batch size, the shape each engine can build (SGLang beam trees, vLLM chains, any tree for bole) "
                "that maximises expected tokens per second on the step curve; stored in the user's database.",
@@ -397,15 +392,22 @@ COMMANDS = {
                  "state against it token by token, and speculative decoding against its greedy generate. Needs "
                  "transformers (pip install -e '.[validate]').",
                  {"--production": {**FLAG, "help": "Qwen3.5-9B GDN heads (Hk 16, Hv 32, dk = dv = 128); best on a GPU"},
-                  "--trees": {"type": int, "default": 3, "help": "random trees in the layer check"},
-                  "--prompts": {"type": int, "default": 3, "help": "prompts in the generation check"},
-                  "--tokens": {"type": int, "default": 200, "help": "tokens generated per prompt"},
+                  "--trees": {**POSITIVE, "default": 3, "help": "random trees in the layer check"},
+                  "--prompts": {**POSITIVE, "default": 3, "help": "prompts in the generation check"},
+                  "--tokens": {**POSITIVE, "default": 200, "help": "tokens generated per prompt"},
                   "--skip-generation": {**FLAG, "help": "only the layer check"}}),
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line naming the flag (exit status 2), as every other error is."""
+
+    def error(self, message):
+        sys.exit(_fail(f"{self.prog}: {message} (see {self.prog} --help)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="bole-tune",
         description="Exact, fast tree speculative decoding for hybrid-attention LLMs (Qwen3.5 / Qwen3-Next): "
                     "benchmark, tune and look up the Bole verifier on your GPU.")
@@ -434,12 +436,12 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (UsageError, RecordingIncomplete) as error:
-        err_console.print(f"[red]bole-tune {args.command}: {error}[/]")
-        return 2
+    except (UsageError, RecordingIncomplete, ValueError) as error:  # ValueError: the library's bad value or file
+        return _fail(f"bole-tune {args.command}: {error}")
+    except OSError as error:  # a file the checks could not foresee (removed, full disk): its name, one line
+        return _fail(f"bole-tune {args.command}: {error.filename or ''}: {error.strerror or error}")
     except (DeviceLost, WorkerFailure) as error:
-        err_console.print(f"[red]bole-tune {args.command}: {error}[/]")
-        return 3
+        return _fail(f"bole-tune {args.command}: {error}", 3)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         return 130

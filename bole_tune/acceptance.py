@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from bole_tune.atomic import write_text_atomic
-from bole_tune.profiles import PROFILES_DIR, Fields, ProfileError, read_yaml
+from bole_tune.profiles import PROFILES_DIR, Fields, ProfileError, read_text, read_yaml
 
 DEFAULT_WORKLOAD = "qwen3.5-mtp-mbpp"
 """The workload `get_budget` and ``bole-tune budget`` use when none is named: code (MBPP), the Bole paper's
@@ -223,6 +223,19 @@ def _depths(parents: list[int]) -> list[int]:
     return depths
 
 
+def _int_list(record: dict, name: str, where: str) -> list[int]:
+    """``record[name]``, a list of ints; otherwise a ValueError naming the line and the field."""
+    if name not in record:
+        raise ValueError(f"{where}: {name}: missing (each line needs parents, ranks and accepted)")
+    values = record[name]
+    if not isinstance(values, list):
+        raise ValueError(f"{where}: {name}: expected a list of ints, got {values!r}")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: {name}[{i}]: expected an int, got {value!r}")
+    return values
+
+
 def calibrate(path, name: str | None = None, max_depth: int = 8, max_rank: int = 4) -> tuple[AcceptanceModel, dict]:
     """Fit an acceptance model to a JSONL log of rounds; returns the model and fit statistics.
 
@@ -239,19 +252,21 @@ def calibrate(path, name: str | None = None, max_depth: int = 8, max_rank: int =
     off_trials = [[0] * max_rank for _ in range(max_depth)]  # below an accepted alternative
     off_successes = 0
     rounds = 0
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise ValueError(f"{path}: cannot be read ({error})") from None
+    lines = read_text(path).splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             record = json.loads(line)
-            parents, ranks, accepted = record["parents"], record["ranks"], set(record["accepted"])
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{where}: expected an object with parents, ranks and accepted ({error})") from None
+        except ValueError as error:
+            raise ValueError(f"{where}: expected an object with parents, ranks and accepted; not JSON ({error})") \
+                from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected an object with parents, ranks and accepted, got "
+                             f"{type(record).__name__}")
+        parents, ranks, accepted = (_int_list(record, name, where) for name in ("parents", "ranks", "accepted"))
+        accepted = set(accepted)
         if len(ranks) != len(parents):
             raise ValueError(f"{where}: ranks has {len(ranks)} entries for {len(parents)} nodes")
         try:

@@ -2,6 +2,7 @@
 
 Layout (schema version 1)::
 
+    # bole-tune sha256 <digest of the lines below>: 108 configs, 40 curves, 48 budgets, 4 step_curves (...)
     schema_version: 1
     device: {slug, name, kind, source, facts: {...}}        # fingerprint of the last writer
     configs:                                               # best tile config per shape bucket
@@ -29,24 +30,34 @@ and every command): the folder given (``--db-dir``) or ``$BOLE_TUNE_DB`` alone, 
 folder (``$XDG_DATA_HOME/bole-tune/tuning_db``), then the database shipped with bole-tune. `search`
 merges the entries of every ``<slug>.yaml`` found, by name within each section: an entry in an earlier
 folder wins over one of the same name in a later folder, all others are kept, and each entry remembers
-the file it came from. Writes go to one file, in `default_directory` (or the folder given).
+the file it came from. Writes go to one file, in `default_directory` (or the folder given), never to the
+shipped database unless its folder is given (``--db-dir``, ``$BOLE_TUNE_DB``). A GPU slug is a file name:
+one with a path separator or a leading dot (``../../x``) is refused (`database_path`).
 
 **Corrupt files**: every read validates the whole file; a file that is unreadable, not YAML, of an
-unknown schema or with a bad field raises `DatabaseError` naming the file and the field. The runtime's
+unknown schema or with a bad field raises `DatabaseError` naming the file and the field. A key given twice
+in one mapping (``configs:`` twice, two files concatenated) is refused with both lines, never read as "last
+key wins" (`UniqueKeyLoader`). Every write puts a digest of the file's text on its first line, with what it
+holds; a file whose text does not match (cut short at a line boundary, changed since) is refused. The
+digest is optional: a file without one (hand-written, or older) is read as it is, and after editing a
+written file by hand one deletes that line. The runtime's
 config lookup in its ``nearest`` mode warns once and uses the safe default instead (``strict`` raises);
 `get_budget` and the command line report the error. A write never replaces a corrupt file: it keeps a
 copy (``<file>.corrupt-<time>``) and refuses, unless asked to replace it (``--replace-corrupt``).
 
-**Concurrency**: every write takes a file lock, re-reads the file, merges (entries with the same name
-are replaced, all others kept) and replaces the file atomically, so concurrent writers lose nothing and a
-reader never sees half a file. Each file is parsed once per version (cached by path, modification time,
+**Concurrency**: every write takes a file lock, re-reads the file, merges (one rule, `update`: entries with
+the same name are replaced, except curves and step curves, merged point by point; all others kept) and
+replaces the file atomically (`bole_tune.atomic`: its mode kept, a symlink's target updated), so
+concurrent writers lose nothing and a reader never sees half a file. Each file is parsed once per version (cached by path, modification time,
 size and inode; `clear_cache` forgets).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +65,9 @@ from pathlib import Path
 import yaml
 from filelock import FileLock
 
-from bole_tune.atomic import write_text_atomic
+from bole_tune.atomic import write_target, write_text_atomic
 from bole_tune.config import KernelConfig
+from bole_tune.fingerprint import check_slug
 from bole_tune.shapes import BATCH_BUCKETS, DTYPES, TREE_BUCKETS, HeadShape, batch_bucket, dtype_name, tree_bucket
 
 SCHEMA_VERSION = 1
@@ -151,8 +163,20 @@ def search_directories(directory=None) -> list[Path]:
 
 
 def database_path(slug: str, directory=None) -> Path:
-    """The file commands write for ``slug``: in ``directory``, else in `default_directory`."""
-    return Path(directory or default_directory()) / f"{slug}.yaml"
+    """The file of ``slug`` in ``directory``, else in `default_directory` (where commands write).
+
+    A slug that is not a plain file name (a path separator, a leading dot: ``../../x``) raises ValueError
+    naming it, so no name leads out of the folder. The shipped database is never the default: if the
+    user's folder resolves to it, ValueError (it is written only when passed as ``directory`` or
+    ``$BOLE_TUNE_DB``)."""
+    check_slug(slug)
+    if directory:
+        return Path(directory) / f"{slug}.yaml"
+    folder = default_directory()
+    if not os.environ.get("BOLE_TUNE_DB") and write_target(folder) == write_target(SHIPPED_DIR):
+        raise ValueError(f"{folder}: is the database shipped with bole-tune, which is written only when passed "
+                         "as --db-dir or $BOLE_TUNE_DB")
+    return folder / f"{slug}.yaml"
 
 
 def now() -> str:
@@ -173,9 +197,10 @@ def _mapping(value, where: str) -> dict:
 
 def _number(value, where: str, positive: bool = True) -> float:
     """A number; ``positive``: > 0, else >= 0."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not -float("inf") < value < float("inf")
             or (positive and not value > 0) or (not positive and not value >= 0)):
-        raise DatabaseError(f"{where}: expected a {'positive' if positive else 'non-negative'} number, got {value!r}")
+        raise DatabaseError(f"{where}: expected a finite {'positive' if positive else 'non-negative'} number, "
+                            f"got {value!r}")
     return float(value)
 
 
@@ -220,7 +245,10 @@ def _config_entry(name: str, entry, w: str) -> None:
     _config(entry.get("config"), f"{w}.config")
     _latency(entry.get("latency_us"), f"{w}.latency_us")
     if "kernel" in entry:
-        _string(entry["kernel"], f"{w}.kernel")
+        from bole_tune.kernels.verify.planner import VARIANTS  # the kernels the runtime can launch
+
+        if _string(entry["kernel"], f"{w}.kernel") not in VARIANTS:
+            raise DatabaseError(f"{w}.kernel: expected one of {', '.join(VARIANTS)}, got {entry['kernel']!r}")
     if "default_config" in entry:
         _config(entry["default_config"], f"{w}.default_config")
         _latency(entry.get("default_latency_us"), f"{w}.default_latency_us")
@@ -448,15 +476,82 @@ def clear_cache() -> None:
     _parsed.clear()
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping names the same key twice (`UniqueKeyLoader`)."""
+
+    def __init__(self, key, first: int, line: int):
+        super().__init__(f"line {line}: key {key!r} given a second time (first at line {first})")
+        self.key, self.first, self.line = key, first, line
+
+
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where installed: 7x faster
+_SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # (0.6 s against 4.6 s for the shipped file)
+
+
+class UniqueKeyLoader(_SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping (``configs:`` twice, two hosts' files
+    concatenated) raises `DuplicateKey` instead of the second silently replacing the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # << merges are YAML's own override rule
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the safe loader reports it
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+DIGEST_LINE = re.compile(r"# bole-tune sha256 ([0-9a-f]{64}): ([^(\n]*)")
+
+
+def _digest(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def dump(data: dict) -> str:
+    """The text of a database file: a first line with the sha256 of the rest and what it holds, then the YAML."""
+    body = yaml.dump(data, Dumper=_SafeDumper, sort_keys=False, default_flow_style=None, width=110)
+    counts = ", ".join(f"{len(data.get(s) or {})} {s}" for s in SECTIONS)
+    return (f"# bole-tune sha256 {_digest(body)}: {counts} (of the lines below: a file cut short or changed is "
+            "refused; after editing it by hand, delete this line)\n" + body)
+
+
+def _check_digest(text: str, path: Path) -> None:
+    """A file whose first line is a digest must match it (a file without one, hand-written, is not checked)."""
+    if not text.startswith("# bole-tune sha256"):
+        return
+    first, _, body = text.partition("\n")
+    match = DIGEST_LINE.match(first)
+    if match is None:
+        raise DatabaseError(f"{path}: line 1: not a bole-tune digest line; delete it if the file was edited by hand")
+    if _digest(body) != match.group(1):
+        raise DatabaseError(f"{path}: its text does not match the digest on line 1 (written holding "
+                            f"{match.group(2).strip()}): cut short or changed since bole-tune wrote it. If you edited "
+                            "it by hand, delete line 1")
+
+
 def _parse(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise DatabaseError(f"{path}: no such tuning database") from None
+    except UnicodeDecodeError:
+        raise DatabaseError(f"{path}: is corrupt (not UTF-8 text)") from None
     except OSError as error:
         raise DatabaseError(f"{path}: cannot be read ({error})") from None
+    _check_digest(text, path)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKey as error:
+        raise DatabaseError(f"{path}: {error}; read as 'last key wins' the first would be lost: merge the two by "
+                            "hand") from None
     except yaml.YAMLError as error:
         raise DatabaseError(f"{path}: is corrupt (not valid YAML: {str(error).splitlines()[0]})") from None
     if data is None:
@@ -537,7 +632,8 @@ def search(slug: str, directory=None) -> Found:
 # ---- writing ----------------------------------------------------------------------------------
 
 def _lock(path: Path) -> FileLock:
-    return FileLock(str(path) + ".lock", timeout=300)
+    """The lock of the file a write replaces (a symlinked database and its target share one)."""
+    return FileLock(str(write_target(path)) + ".lock", timeout=300)
 
 
 def backup_corrupt(path: Path) -> Path:
@@ -569,35 +665,53 @@ def prepare(path, replace_corrupt: bool = False) -> str | None:
     return None
 
 
-def merge_curve(old: dict | None, new: dict) -> dict:
-    """A curve measured again, perhaps at fewer points: the new points, plus the old curve's points at the
-    (batch, tree size) pairs the new run did not measure, so a partial re-profile never drops a measurement.
+# The fields of a curve that say what its points measure, per section merged point by point: curves that
+# agree on those present in both are merged point by point; others measure something else and replace.
+POINT_IDENTITY = {"curves": ("shape", "kernel"), "step_curves": ("context", "layers")}
+
+
+def _point_key(point: dict) -> tuple:
+    return point["batch"], point["tree_size"]
+
+
+def merge_points(old: dict | None, new: dict, identity=POINT_IDENTITY["curves"]) -> dict:
+    """A curve (or step curve) measured again, perhaps at other or fewer points: the new points, plus the old
+    curve's points at the (batch, tree size) pairs the new run did not measure, so a partial or concurrent
+    run never drops a measurement. ``identity``: the fields both must agree on (where both have them) to
+    be merged; a curve that disagrees measures something else and replaces the old one.
 
     When points are kept, every point names the date of the run that measured it (``measured``) and the
-    curve's provenance (the new run's) lists the earlier runs' under ``earlier_runs``.
+    curve's provenance (the new run's) lists, under ``earlier_runs``, the provenance of each earlier run
+    that still measured one of its points.
     """
-    if not old or old.get("shape") != new.get("shape") or old.get("kernel") != new.get("kernel"):
+    if not old or any(f in old and f in new and old[f] != new[f] for f in identity):
         return new
-    fresh = {(p["batch"], p["tree_size"]) for p in new["points"]}
+    fresh = {_point_key(p) for p in new["points"]}
     old_provenance = old.get("provenance") or {}
     kept = [{**p, "measured": p.get("measured", old_provenance.get("date", ""))} for p in old["points"]
-            if (p["batch"], p["tree_size"]) not in fresh]
+            if _point_key(p) not in fresh]
     if not kept:
         return new
-    provenance = dict(new.get("provenance") or {})
-    earlier = list(old_provenance.get("earlier_runs", []))
-    earlier.append({k: v for k, v in old_provenance.items() if k != "earlier_runs"})
-    provenance["earlier_runs"] = earlier
+    provenance = {k: v for k, v in (new.get("provenance") or {}).items() if k != "earlier_runs"}
+    owners = {p["measured"] for p in kept} - {provenance.get("date")}
+    earlier = []
+    for run in [*old_provenance.get("earlier_runs", []), {k: v for k, v in old_provenance.items()
+                                                          if k != "earlier_runs"}]:
+        if run.get("date") in owners and run not in earlier:
+            earlier.append(run)
+    if earlier:
+        provenance["earlier_runs"] = earlier
     points = [{**p, "measured": p.get("measured", provenance.get("date", ""))} for p in new["points"]] + kept
-    return {**new, "points": sorted(points, key=lambda p: (p["batch"], p["tree_size"])), "provenance": provenance}
+    return {**new, "points": sorted(points, key=_point_key), "provenance": provenance}
 
 
 def update(path, device: dict | None = None, replace_corrupt: bool = False, **sections) -> dict:
     """Merge entries into the database at ``path`` (created if missing); returns the merged data.
 
     ``sections``: any of configs, curves, budgets, step_curves, each a mapping name -> entry.
-    Entries replace those with the same name, except curves, whose points are merged (`merge_curve`);
-    nothing else is dropped. A corrupt file is copied to a backup and the update refused, unless
+    One rule: an entry replaces the one of the same name (a config is one bucket's winner, a budget one
+    choice), except in the sections of measured points (curves, step curves: `POINT_IDENTITY`), whose
+    points are merged by (batch, tree size) (`merge_points`); nothing else is dropped. A corrupt file is copied to a backup and the update refused, unless
     ``replace_corrupt`` (then the backup is kept and a new file started).
     """
     path = Path(path)
@@ -622,9 +736,10 @@ def update(path, device: dict | None = None, replace_corrupt: bool = False, **se
         for section, entries in sections.items():
             if entries:
                 held = data.setdefault(section, {})
-                if section == "curves":
-                    entries = {name: merge_curve(held.get(name), entry) for name, entry in entries.items()}
+                if section in POINT_IDENTITY:
+                    entries = {name: merge_points(held.get(name), entry, POINT_IDENTITY[section])
+                               for name, entry in entries.items()}
                 held.update(entries)
         validate(data, path)
-        write_text_atomic(path, yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110))
+        write_text_atomic(path, dump(data))
     return data

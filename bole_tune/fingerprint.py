@@ -25,8 +25,22 @@ class Fingerprint:
     facts: dict = field(default_factory=dict)
     source: str = ""  # how the facts were read
 
+    def __post_init__(self):
+        check_slug(self.slug, "device slug")
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def check_slug(slug, what: str = "GPU slug") -> str:
+    """``slug`` if it can name a file in the database folder (``<folder>/<slug>.yaml``) and nothing else:
+    a non-empty string without a path separator that does not start with a dot (so neither ``..`` nor a
+    hidden file). Else a ValueError naming ``what`` and the slug; a name is refused, never rewritten, so
+    that two different names cannot end up in one file."""
+    if not isinstance(slug, str) or not slug or slug.startswith(".") or any(c in slug for c in "/\\\0"):
+        raise ValueError(f"{what} {slug!r}: must be a file name such as nvidia-h200 (no path separator, no "
+                         "leading dot)")
+    return slug
 
 
 def slugify(name: str) -> str:

@@ -50,6 +50,8 @@ class Decision:
 
 
 def policy() -> str:
+    """``BOLE_TUNE_LOOKUP`` (default ``nearest``); any other value than `POLICIES` is a ValueError, never
+    read as one of them."""
     value = os.environ.get("BOLE_TUNE_LOOKUP", "nearest").strip().lower() or "nearest"
     if value not in POLICIES:
         raise ValueError(f"BOLE_TUNE_LOOKUP: unknown policy {value!r} (expected one of {', '.join(POLICIES)})")
@@ -59,9 +61,12 @@ def policy() -> str:
 def decide(key: ShapeKey, slug: str, mode: str | None = None, directory=None) -> Decision:
     """Pick a config for ``key`` on the GPU model ``slug`` (no caching; see `tuned_launch`).
 
-    ``directory``: read that database folder alone instead of the search folders.
+    ``mode``: one of `POLICIES` (default: `policy`). ``directory``: read that database folder alone instead
+    of the search folders.
     """
     mode = mode or policy()
+    if mode not in POLICIES:
+        raise ValueError(f"mode: unknown lookup policy {mode!r} (expected one of {', '.join(POLICIES)})")
     fallback = default_config(key.heads.dk, key.heads.dv)
     if mode == "default":
         return Decision(fallback, "default", "BOLE_TUNE_LOOKUP=default", key)

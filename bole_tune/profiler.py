@@ -6,14 +6,28 @@ it is known (an interrupted run loses nothing and resumes from the Optuna storag
 per-layer latency against tree size and batch for tree_verify with the tuned config and with the
 default, serial_verify and tree_commit, stored as curves with provenance.
 
+**Resume.** Curve points are written as they are measured (at least every `FLUSH_SECONDS`, and at the end
+of each model), and a point the database already holds, measured by the same code (`code_version`,
+torch, Triton), with the same repeats and, for the tuned curve, the config now tuned, is not measured
+again (``remeasure`` forces it), so a run killed even with SIGKILL resumes where it stopped. Tuning
+resumes from the Optuna storage, whose heartbeats fail a killed worker's RUNNING trial. The job folder a
+run makes in the temporary directory is removed when it ends, however it ends, except when a worker
+failed (its logs are then kept, under a ``bole-tune-failed-`` name the error names); one left by a killed
+run is removed by the next.
+
 Without a GPU nothing can be tuned (tile configs do not exist on the CPU path); the job measures
 the PyTorch fallback's curves instead, says so, and still writes a valid database.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,6 +54,8 @@ QUICK_BATCHES = (1, 4, 16)
 QUICK_TREE_SIZES = (16, 64, 128)
 CPU_CURVE_BATCHES = (1, 2)  # the CPU fallback's curves, when none are asked for: seconds, not hours
 CPU_CURVE_TREE_SIZES = (8, 16)
+FLUSH_SECONDS = 30.0  # curve points are written at least this often: a killed run loses at most this much work
+JOB_PREFIX = "bole-tune-job-"  # + the pid of the run, so that the next run can tell a killed run's folder
 
 
 @dataclass
@@ -113,10 +129,26 @@ class ProfileResult:
     notes: list[str] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+    """bole-tune's version and a digest of the sources that run and time the kernels (the kernels package,
+    the bench, timing, workload, tree, config and shape modules): what says two measurements ran the same
+    code. An edit elsewhere (the command line, the database) does not make finished points stale."""
+    from bole_tune import __version__, bench, config, kernels, shapes, timing, tree, workloads
+
+    sources = sorted(Path(kernels.__file__).parent.rglob("*.py"))
+    sources += [Path(module.__file__) for module in (bench, config, shapes, timing, tree, workloads)]
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
 def provenance(fp, method: str, extra: dict | None = None) -> dict:
+    """Who measured, with what code and how: names and versions only, never a path of this machine."""
     env = environment()
     facts = fp.facts
-    data = {"device": fp.name, "slug": fp.slug, "uuid": facts.get("uuid", ""),
+    data = {"device": fp.name, "slug": fp.slug, "uuid": facts.get("uuid", ""), "code": code_version(),
             "driver": facts.get("driver_version", ""), "cuda": facts.get("cuda_driver_version", env.get("cuda", "")),
             "cuda_runtime": env.get("cuda", ""), "torch": env["torch"], "triton": env["triton"],
             "bole_tune": env["bole_tune"], "python": env["python"], "date": env["date"], "timing_method": method}
@@ -156,32 +188,91 @@ def tune_all(plan: ProfilePlan, runner_spec: dict, fp, storage_url: str, db_path
     job = Job(keys=[k.as_dict() for k in keys], storage=storage_url, slug=fp.slug, n_trials=plan.n_trials,
               runner=runner_spec, space=space.source, sampler=sampler, seed=plan.seed,
               shared_memory_limit=fp.facts.get("max_shared_memory_per_block_bytes"), warm_start=warm)
-    own_dir = job_dir is None
-    job_dir = Path(job_dir or tempfile.mkdtemp(prefix="bole-tune-job-"))
     storage = open_storage(storage_url)
 
     def report_progress():
         if progress:
             progress(sum(_finished(storage, fp.slug, key) for key in keys), len(keys) * plan.n_trials)
 
-    reports = run_workers(job, workers, job_dir / "job.json", progress=report_progress)
-    failed = [r for r in reports if r.exit_code != 0]
-    incomplete = [r for r in failed if r.exit_code == EXIT_RECORDING_INCOMPLETE and Path(r.log).exists()]
-    if incomplete:  # the recording and the search space disagree: resuming cannot help
-        raise RecordingIncomplete(Path(incomplete[0].log).read_text().strip().splitlines()[-1])
-    if failed:
-        tails = "; ".join(f"worker {r.index} (exit {r.exit_code}, log {r.log}): "
-                          f"{Path(r.log).read_text().strip().splitlines()[-1:] if Path(r.log).exists() else ''}"
-                          for r in failed)
-        raise WorkerFailure(f"{len(failed)} of {len(reports)} tuning workers failed: {tails}. Finished trials are "
-                            "kept in the storage; run the same command again to resume.")
-    if own_dir:  # worker logs are kept only when something failed
-        shutil.rmtree(job_dir, ignore_errors=True)
+    with job_folder(job_dir) as folder:
+        reports = run_workers(job, workers, folder.path / "job.json", progress=report_progress)
+        failed = [r for r in reports if r.exit_code != 0]
+        incomplete = [r for r in failed if r.exit_code == EXIT_RECORDING_INCOMPLETE and Path(r.log).exists()]
+        if incomplete:  # the recording and the search space disagree: resuming cannot help
+            raise RecordingIncomplete(Path(incomplete[0].log).read_text().strip().splitlines()[-1])
+        if failed:
+            kept = folder.keep()  # worker logs are kept only when a worker failed
+            logs = {r.index: kept / Path(r.log).name for r in failed}
+            tails = "; ".join(f"worker {r.index} (exit {r.exit_code}, log {logs[r.index]}): "
+                              f"{logs[r.index].read_text().strip().splitlines()[-1:] if logs[r.index].exists() else ''}"
+                              for r in failed)
+            raise WorkerFailure(f"{len(failed)} of {len(reports)} tuning workers failed: {tails}. Finished trials are "
+                                "kept in the storage; run the same command again to resume.")
     results = [load_result(storage, fp.slug, key) for key in keys]
     entries = {r.key.text: config_entry(r, fp) for r in results if r.best is not None}
     if entries:
         database.update(db_path, device=fp.as_dict(), configs=entries)
     return results
+
+
+class JobFolder:
+    """The folder of a run's job file and worker logs: ``given`` (the caller's, left as it is), else a new one
+    in the temporary directory named after this host and process."""
+
+    def __init__(self, given=None):
+        self.own = given is None
+        if self.own:
+            remove_killed_job_folders()
+            self.path = Path(tempfile.mkdtemp(prefix=f"{_job_prefix(os.getpid())}"))
+        else:
+            self.path = Path(given)
+        self.kept = False
+
+    def keep(self) -> Path:
+        """Keep the folder (a worker failed: its log says why), renamed so that no later run removes it."""
+        if self.own:
+            kept = self.path.with_name("bole-tune-failed-" + self.path.name[len(JOB_PREFIX):])
+            os.rename(self.path, kept)
+            self.path = kept
+        self.kept = True
+        return self.path
+
+
+def _job_prefix(pid: int) -> str:
+    return f"{JOB_PREFIX}{pid}@{os.uname().nodename}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_killed_job_folders() -> list[Path]:
+    """Remove the job folders in the temporary directory that runs on this host left when killed (SIGKILL,
+    SIGTERM: no clean-up ran); return them."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{JOB_PREFIX}*@*"):
+        pid = folder.name[len(JOB_PREFIX):].split("@", 1)[0]
+        if pid.isdigit() and folder.name.startswith(_job_prefix(int(pid))) and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def job_folder(given=None):
+    """A `JobFolder`, removed when the block ends however it ends (an exception, Ctrl-C) unless kept."""
+    folder = JobFolder(given)
+    try:
+        yield folder
+    finally:
+        if folder.own and not folder.kept:
+            shutil.rmtree(folder.path, ignore_errors=True)
 
 
 def open_storage_url(url: str | None) -> str:
@@ -258,9 +349,11 @@ def exhaustive(plan: ProfilePlan, runner, space: SearchSpace, progress: Callable
 
 def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers: int | None = None,
             sampler: str = "tpe", replace_corrupt: bool = False, space: SearchSpace | None = None,
-            progress: Callable | None = None) -> ProfileResult:
+            progress: Callable | None = None, remeasure: bool = False) -> ProfileResult:
     """The main job: tune every bucket of ``plan`` on this machine's GPU and measure the latency curves,
-    written to ``<db_dir>/<gpu>.yaml`` (`bole_tune.database.database_path`).
+    written to ``<db_dir>/<gpu>.yaml`` (`bole_tune.database.database_path`) as they are measured. Curve
+    points the database holds, measured alike, are kept, not measured again (`measure_curves`), unless
+    ``remeasure``.
 
     Without a CUDA GPU nothing is tuned (tile configs exist only for the Triton kernels on a GPU): the
     PyTorch fallback's curves are measured on the CPU instead, at `ProfilePlan.curve_grid`, and recorded
@@ -288,7 +381,13 @@ def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers:
             progress(Progress("curves", done[0], total, f"{model.name} B={batch} T={size}"))
 
     for model in plan.models:
-        result.curve_rows += measure_curves(model, plan, runner.device, db_path, fp, progress=measured)
+        result.curve_rows += measure_curves(model, plan, runner.device, db_path, fp, progress=measured,
+                                            remeasure=remeasure)
+    resumed = sum(1 for row in result.curve_rows if row.get("resumed"))
+    if resumed:
+        result.notes.append(f"resumed: {resumed} of {len(result.curve_rows)} curve points were already in the database, "
+                            "measured by this code with these settings, and were kept (--remeasure measures them "
+                            "again)")
     return result
 
 
@@ -321,28 +420,83 @@ def _finished(storage, slug: str, key: ShapeKey) -> int:
     return len(study.get_trials(deepcopy=False, states=FINISHED))
 
 
+def curve_name(model: ModelProfile, kernel: str, dtype: str, tp: int) -> str:
+    """A curve's name in the database: ``<model>/<kernel>/<dtype>[/TP<n>]``."""
+    return f"{model.name}/{kernel}/{dtype}" + (f"/TP{tp}" if tp != 1 else "")
+
+
+SAME_RUN_FIELDS = ("code", "torch", "triton", "repeats")  # of a provenance: points measured alike
+
+
+def measured_points(db_path, names: dict, shape: dict, run: dict) -> dict:
+    """The points of the curves ``names`` (kernel -> curve name) that the database at ``db_path`` holds,
+    measured for ``shape`` as this ``run`` would measure them (`SAME_RUN_FIELDS`): (kernel, batch, tree
+    size) -> point. A point's run is the provenance of its date (``measured``, else the curve's)."""
+    try:
+        curves = database.load(db_path)["curves"]
+    except database.DatabaseError:
+        return {}
+    found = {}
+    for kernel, name in names.items():
+        curve = curves.get(name)
+        if not curve or curve.get("shape") != shape or curve.get("kernel") != kernel:
+            continue
+        provenance = curve.get("provenance") or {}
+        runs = {r.get("date"): r for r in [*provenance.get("earlier_runs", []), provenance]}
+        for point in curve["points"]:
+            by = runs.get(point.get("measured", provenance.get("date")))
+            if by is not None and all(by.get(f) == run.get(f) for f in SAME_RUN_FIELDS):
+                found[(kernel, point["batch"], point["tree_size"])] = point
+    return found
+
+
 def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
-                   progress: Callable | None = None) -> list[dict]:
-    """Latency of every kernel at every (batch, tree size) of the plan, written as curves."""
+                   progress: Callable | None = None, remeasure: bool = False) -> list[dict]:
+    """Latency of every kernel at every (batch, tree size) of the plan, written as curves as it is measured
+    (at least every `FLUSH_SECONDS` and at the end). A (batch, tree size) whose every kernel's point the
+    database already holds, measured alike (`measured_points`; the tuned one with the config now tuned), is
+    not measured again unless ``remeasure``; its rows come back with ``resumed: True``."""
     shape = model.heads(plan.tp)
+    shape_dict = {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv}
     dtype = torch_dtype(plan.dtype)
     on_gpu = torch.device(device).type == "cuda"
     kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit"] if on_gpu \
         else ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback"]
     if not plan.serial and on_gpu:
         kernels.remove("serial_verify")
-    points = {k: [] for k in kernels}
+    names = {k: curve_name(model, k, plan.dtype, plan.tp) for k in kernels}
+    run = provenance(fp, "", {"repeats": plan.repeats})  # one per run: its date names the points it measures
+    done = {} if remeasure else measured_points(db_path, names, shape_dict, run)
+    pending = {k: [] for k in kernels}
+    last_write = [time.monotonic()]
+
+    def write():
+        if any(pending.values()):
+            database.update(db_path, device=fp.as_dict(), curves={
+                names[k]: {"model": model.name, "kernel": k, "dtype": plan.dtype, "tp": plan.tp,
+                           "shape": dict(shape_dict), "points": list(pts), "provenance": dict(run)}
+                for k, pts in pending.items() if pts})
+            for pts in pending.values():
+                pts.clear()
+        last_write[0] = time.monotonic()
+
     rows = []
-    method = ""
     batches, sizes = plan.curve_grid(on_gpu)
     for batch in batches:
         for size in sizes:
+            key = ShapeKey.bucketed(shape, plan.dtype, size, batch, plan.tp)
+            # the configs of the database being written, just tuned
+            decision = decide(key, fp.slug, "nearest", directory=Path(db_path).parent) if on_gpu else None
+            held = [done.get((k, batch, size)) for k in kernels]
+            if all(held) and (decision is None or held[0].get("config") == decision.config.as_dict()):
+                rows += [{"model": model.name, "kernel": k, **point, "resumed": True} for k, point in zip(kernels, held)]
+                if progress:
+                    progress(model, batch, size, {})
+                continue
             case = BenchCase(shape, batch, size, dtype, label=model.name)
             bench = CaseBench(case, device)
-            key = ShapeKey.bucketed(shape, plan.dtype, size, batch, plan.tp)
             measured = {}
-            if on_gpu:  # the configs of the database being written, just tuned
-                decision = decide(key, fp.slug, "nearest", directory=Path(db_path).parent)
+            if on_gpu:
                 # the tuned point runs the kernel its config was tuned on, as tree_verify(config=None) does
                 for name, verify, launch in (
                         ("tree_verify_tuned", tree_verify, bench.launch(decision.config, tuned_on=decision.kernel)),
@@ -362,23 +516,17 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                 measured["tree_commit_cpu_fallback"] = (bench.time_commit(3), None, None)
             for name, (timing, error, config) in measured.items():
                 point = {"batch": batch, "tree_size": size, "p20": round(timing.p20_us, 3),
-                         "p50": round(timing.p50_us, 3), "p80": round(timing.p80_us, 3)}
+                         "p50": round(timing.p50_us, 3), "p80": round(timing.p80_us, 3), "measured": run["date"]}
                 if config is not None:
                     point["config"] = config.as_dict()
                 if error is not None:
                     point["rel_error"] = error
-                points[name].append(point)
-                method = timing.method.split(",")[0]
+                pending[name].append(point)
+                run["timing_method"] = timing.method.split(",")[0]
                 rows.append({"model": model.name, "kernel": name, **point})
             if progress:
                 progress(model, batch, size, measured)
-    curves = {}
-    tp = f"/TP{plan.tp}" if plan.tp != 1 else ""
-    for name, pts in points.items():
-        curves[f"{model.name}/{name}/{plan.dtype}{tp}"] = {
-            "model": model.name, "kernel": name, "dtype": plan.dtype, "tp": plan.tp,
-            "shape": {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv},
-            "points": pts, "provenance": provenance(fp, method, {"repeats": plan.repeats}),
-        }
-    database.update(db_path, device=fp.as_dict(), curves=curves)
+            if time.monotonic() - last_write[0] >= FLUSH_SECONDS:
+                write()
+    write()
     return rows

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from bole_tune.shapes import HeadShape
+from bole_tune.shapes import SUPPORTED_HEAD_DIMS, HeadShape
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 if not PROFILES_DIR.is_dir():  # installed layout: profiles/ is the data package bole_tune.profile_data
@@ -87,12 +87,27 @@ class ModelProfile:
             raise ValueError(f"{self.name}: {error}") from None
 
 
-def read_yaml(path: Path) -> dict:
-    """Parse a YAML mapping; errors name the file."""
+def read_text(path) -> str:
+    """A text file's contents; a missing, unreadable or non-UTF-8 file (or a folder) is one `ProfileError`
+    naming it."""
+    path = Path(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ProfileError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{path}: is a folder, expected a file") from None
+    except UnicodeDecodeError as error:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except OSError as error:
+        raise ProfileError(f"{path}: cannot be read ({error.strerror or error})") from None
+
+
+def read_yaml(path: Path) -> dict:
+    """Parse a YAML mapping; errors name the file."""
+    text = read_text(path)
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ProfileError(f"{path}: not valid YAML ({error})") from None
     if not isinstance(data, dict):
@@ -182,6 +197,11 @@ def load_model(name_or_path: str) -> ModelProfile:
     hk, hv = gdn.get("num_key_heads", int), gdn.get("num_value_heads", int)
     if hv % hk:
         raise ProfileError(f"{path}: gdn.num_value_heads: {hv} is not a multiple of num_key_heads {hk}")
+    for name in ("key_head_dim", "value_head_dim"):  # a model the kernels cannot run is refused here, not in a launch
+        size = gdn.get(name, int)
+        if size not in SUPPORTED_HEAD_DIMS:
+            raise ProfileError(f"{path}: gdn.{name}: {size} is not a head size the kernels support "
+                               f"{SUPPORTED_HEAD_DIMS}")
     profile = ModelProfile(
         key=path.stem, name=f.get("name", str), hidden_size=f.get("hidden_size", int),
         num_layers=f.get("num_layers", int), layers_per_attention=f.get("layers_per_attention", int),

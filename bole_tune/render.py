@@ -1,14 +1,16 @@
 """Rich tables of what the library returns: the command line prints them, a notebook can too.
 
 Each function takes a library result (a `ProfileResult`, a database as `bole_tune.database.search`
-returns it, a `BudgetResult`, bench rows, ...) and returns a `rich.table.Table`; nothing here measures,
-reads or writes anything.
+returns it, a `BudgetResult`, bench rows, ...) and returns a `rich.table.Table` (or lines, JSON text, a
+progress bar); nothing here measures, reads or writes anything.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from bole_tune.config import KernelConfig
@@ -31,6 +33,37 @@ def facts(title: str, pairs) -> Table:
     for name, value in pairs:
         t.add_row(name, str(value))
     return t
+
+
+def json_text(data) -> str:
+    """``data`` as JSON that every parser reads: a non-finite number (``.inf`` in a YAML file) becomes null,
+    not the ``Infinity`` that `json.dumps` writes by default and JSON does not have."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+    return json.dumps(finite(data), indent=1, default=str, allow_nan=False)
+
+
+def progress_bar(console) -> Progress:
+    """A bar per stage with done/total, elapsed time and an estimate of the time left."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console)
+
+
+def stage_progress(bar: Progress):
+    """A `bole_tune.profiler.Progress` callback drawing one bar per stage on ``bar``."""
+    tasks = {}
+
+    def report(p):
+        if p.stage not in tasks:
+            tasks[p.stage] = bar.add_task(p.stage, total=p.total)
+        bar.update(tasks[p.stage], completed=p.done, total=p.total, description=f"{p.stage} {p.label}".strip())
+    return report
 
 
 def geometric_mean(values) -> float:

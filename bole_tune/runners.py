@@ -21,7 +21,7 @@ from bole_tune.atomic import write_text_atomic
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
-from bole_tune.fingerprint import Fingerprint, fingerprint
+from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
 from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import torch_dtype
@@ -130,6 +130,7 @@ class ReplayRunner:
         if not isinstance(data, dict) or not isinstance(data.get("measurements"), dict):
             raise ValueError(f"{self.path}: measurements: missing (not a bole-tune recording?)")
         self.device = data.get("device", {})
+        check_slug(self.device.get("slug", "replay"), f"{self.path}: device.slug")
         self.measurements = {}
         for key, by_config in data["measurements"].items():
             try:

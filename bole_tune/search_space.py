@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,19 @@ class SearchSpace:
         """Every combination of the knobs' values."""
         names = list(self.values)
         return [KernelConfig(**dict(zip(names, combo))) for combo in itertools.product(*self.values.values())]
+
+    @property
+    def size(self) -> int:
+        """How many configs the space holds (every combination of the knobs' values)."""
+        return math.prod(len(values) for values in self.values.values())
+
+    def check_trials(self, n_trials: int) -> int:
+        """``n_trials`` if a study of this space can use that many: each config is measured once at most
+        (a repeat is answered from the first measurement), so more trials than configs only spin."""
+        if n_trials > self.size:
+            raise ValueError(f"--trials: {n_trials} is more than the {self.size} configs of the search space "
+                             f"({self.source or 'search_space.yaml'}); a bucket measures each config once at most")
+        return n_trials
 
     def contains(self, config: KernelConfig) -> bool:
         return all(getattr(config, name) in values for name, values in self.values.items())

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
+import sqlalchemy
+from filelock import FileLock
 
 from bole_tune.config import KernelConfig, default_config
 from bole_tune.database import ShapeKey
@@ -36,8 +39,23 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The file of an ``sqlite:///`` URL (None for an in-memory database or another dialect)."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        return None
+    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    return Path(database) if database and database != ":memory:" else None
+
+
 def open_storage(url: str | None):
     """An Optuna storage for ``url`` (default: the user's SQLite file); a bad URL is a ValueError.
+
+    Several processes may open the same storage for the first time at once (workers, concurrent runs):
+    Optuna creates the tables and stamps their version on first use, so two first openers of one SQLite
+    file both try to insert ``alembic_version`` and one fails. An SQLite file is therefore opened under a
+    file lock beside it (``<file>.lock``); a server database's first openers that lose that race retry.
 
     Trials send heartbeats every ``BOLE_TUNE_HEARTBEAT`` seconds (default 30): a trial whose process
     died (SIGKILL, a lost host) is failed after three missed beats and its config tried again.
@@ -51,12 +69,29 @@ def open_storage(url: str | None):
         heartbeat = float(raw)
     except ValueError:
         raise ValueError(f"BOLE_TUNE_HEARTBEAT: expected seconds (a number), got {raw!r}") from None
-    try:
+    if not math.isfinite(heartbeat) or heartbeat <= 0:
+        raise ValueError(f"BOLE_TUNE_HEARTBEAT: expected a positive number of seconds, got {raw!r}")
+    sqlite_file = _sqlite_file(url)
+
+    def create():
         with warnings.catch_warnings():  # heartbeats: experimental in optuna's API, stable in use since v2.9
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.RDBStorage(url, heartbeat_interval=max(1, int(heartbeat)),
                                               grace_period=max(2, int(3 * heartbeat)))
-    except Exception as error:  # unknown dialect, unreachable server, missing driver
+
+    try:
+        if sqlite_file is not None:
+            with FileLock(str(sqlite_file) + ".lock", timeout=300):
+                return create()
+        for attempt in range(3):
+            try:
+                return create()
+            except sqlalchemy.exc.DBAPIError as error:
+                lost_race = isinstance(error, sqlalchemy.exc.IntegrityError) or "already exists" in str(error)
+                if not lost_race or attempt == 2:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+    except Exception as error:  # unknown dialect, unreachable server, missing driver, unwritable lock
         raise ValueError(f"--storage: cannot open {url!r}: {str(error).splitlines()[0][:200]}") from None
 
 
@@ -101,6 +136,7 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     the storage, and everyone stops when the study as a whole has ``n_trials`` finished trials.
     """
     name = study_name(slug, key)
+    n_trials = min(n_trials, space.size)  # distinct configs, each measured once: more trials would only repeat
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=sampler or optuna.samplers.TPESampler(seed=0, n_startup_trials=6,
                                                                               multivariate=True))

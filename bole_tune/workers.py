@@ -121,6 +121,56 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+WORKER_MEMORY = {"gpu": 2 << 30, "replay": 512 << 20}
+"""Host memory one worker process needs, by runner kind: torch, triton and optuna imported hold about 300 MiB
+(290 MiB max RSS measured on the CPU); a CUDA context, compiled kernels and the input sets add over 1 GiB."""
+
+WORKERS_PER_CORE = 4  # replay workers mostly wait (on the storage, on a replay delay); beyond this they only queue
+WORKERS_PER_GPU = 4  # several workers can share a GPU while others compile; more only queue for it
+
+
+def available_memory() -> int:
+    """Bytes of host memory available to new processes (MemAvailable on Linux, free pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker_limit(kind: str, trials: int) -> tuple[int, str]:
+    """The most worker processes worth starting on this host for a job of ``trials`` trials in all, and
+    which bound sets it: CPU cores, available memory, GPUs (``kind`` "gpu") and the trials themselves."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    bounds = {f"{cores} CPU cores x {WORKERS_PER_CORE}": WORKERS_PER_CORE * cores,
+              f"{available_memory() >> 20} MiB of available memory at {WORKER_MEMORY[kind] >> 20} MiB per worker":
+                  max(1, available_memory() // WORKER_MEMORY[kind]),
+              f"{trials} trials in the job": max(1, trials)}
+    if kind == "gpu":
+        gpus = max(1, len(visible_devices()))
+        bounds[f"{gpus} GPU{'s' if gpus > 1 else ''} x {WORKERS_PER_GPU}"] = WORKERS_PER_GPU * gpus
+    reason = min(bounds, key=bounds.get)
+    return bounds[reason], reason
+
+
+def check_workers(workers: int, kind: str, trials: int) -> int:
+    """``workers`` if it is at least 1 and within `worker_limit`; else a ValueError naming ``--workers``."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers: must be a positive int, got {workers!r}")
+    limit, reason = worker_limit(kind, trials)
+    if workers > limit:
+        raise ValueError(f"--workers: {workers} is more than this host and job can use (at most {limit}: {reason})")
+    return workers
+
+
+def job_trials(job: "Job") -> int:
+    """Trials the job asks for in all: buckets x trials per bucket (a grid: x the space's configs)."""
+    per_bucket = SearchSpace.load(job.space or None).size if job.sampler == "grid" else job.n_trials
+    return len(job.keys) * per_bucket
+
+
 @dataclass
 class WorkerReport:
     index: int
@@ -132,7 +182,8 @@ class WorkerReport:
 
 def run_workers(job: Job, workers: int, job_path: Path, progress=None, max_restarts: int = 3,
                 poll: float = 1.0) -> list[WorkerReport]:
-    """Start and supervise ``workers`` worker processes until all are done."""
+    """Start and supervise ``workers`` worker processes until all are done (at most `worker_limit`)."""
+    check_workers(workers, job.runner["kind"], job_trials(job))
     devices = visible_devices() if job.runner["kind"] == "gpu" else []
     job.save(job_path)
     reports, processes = [], {}

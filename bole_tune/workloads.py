@@ -11,16 +11,23 @@ from bole_tune.tree import TreeBatch
 
 TREE_KINDS = ("random", "chain", "star", "forest")
 
+MAX_TREE_SIZE = 4096
+"""The most nodes per request the command line accepts (``--tree-size``): 16x the largest tuned bucket
+(256). The kernels take any size; the bound keeps a typo from allocating for hours."""
+
+MAX_BATCH = 1024
+"""The most requests per batch the command line accepts (``--batch``): 32x the largest tuned bucket."""
+
 
 def tree_parents(size: int, kind: str = "random", max_depth: int = 8, rng: random.Random | None = None) -> list[int]:
-    """Local parent indices of one tree.
+    """Local parent indices of one tree, in time linear in ``size``.
 
     random: node n hangs off a uniformly chosen earlier node of depth < ``max_depth``;
     chain: depth ``size - 1``; star: every node a child of the root; forest: several roots, each
     with a random subtree.
     """
-    if size < 1:
-        raise ValueError(f"size: a tree needs at least one node, got {size}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size: a tree needs at least one node, got {size!r}")
     rng = rng or random.Random(0)
     if kind == "chain":
         return [n - 1 for n in range(size)]
@@ -28,17 +35,20 @@ def tree_parents(size: int, kind: str = "random", max_depth: int = 8, rng: rando
         return [-1] + [0] * (size - 1)
     if kind not in ("random", "forest"):
         raise ValueError(f"kind: expected one of {TREE_KINDS}, got {kind!r}")
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+        raise ValueError(f"max_depth: expected a positive int (edges from a root), got {max_depth!r}")
     parents, depths = [-1], [0]
+    eligible = [0]  # the nodes of depth < max_depth, in index order: kept as nodes are added, never rescanned
     root_chance = 0.15 if kind == "forest" else 0.0
     for n in range(1, size):
         if rng.random() < root_chance:
-            parents.append(-1)
-            depths.append(0)
-            continue
-        candidates = [j for j in range(n) if depths[j] < max_depth]
-        p = rng.choice(candidates) if candidates else -1
+            p = -1
+        else:
+            p = rng.choice(eligible)
         parents.append(p)
         depths.append(0 if p < 0 else depths[p] + 1)
+        if depths[n] < max_depth:
+            eligible.append(n)
     return parents
 
 
