@@ -135,4 +135,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # run as a script, this folder comes first on sys.path, and it holds bole-tune's sglang.py, which would
+    # shadow SGLang's own package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     main()
