@@ -30,10 +30,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from bole_tune import database
 from bole_tune.acceptance import DEFAULT_WORKLOAD, AcceptanceModel, list_acceptance_models, load_acceptance
 from bole_tune.draft_trees import MAX_DEPTH, DraftTree, SGLangBeam, best_first_tree, chain_tree
 from bole_tune.engines.exports import export_engine_settings
+from bole_tune.fingerprint import fingerprint, slugify
 from bole_tune.profiles import DrafterShape, ModelProfile, ProfileError, resolve_model
 
 ENGINES = ("sglang", "vllm", "bole")
@@ -286,14 +289,10 @@ def store_budgets(models=None, workloads=None, engines=None, slug: str | None = 
     the budgets go to ``<db_dir>/<slug>.yaml``, by default the user's database, never the shipped
     ``tuning_db/`` unless that folder is passed as ``db_dir``. Nothing is written if anything is missing.
     """
-    from bole_tune.fingerprint import fingerprint
-
     workloads = [check_workload(w) for w in (workloads or list_acceptance_models())]
     engines = [check_engine(e) for e in (engines or ENGINES)]
     slug = slug or fingerprint().slug
-    path = database.database_path(slug, db_dir)
-    if db_dir is None and path.resolve().parent == database.SHIPPED_DIR.resolve():
-        raise ValueError(f"{path}: the shipped tuning_db/ is not written unless passed as db_dir explicitly")
+    path = database.database_path(slug, db_dir)  # refuses the shipped tuning_db/ unless passed as db_dir
     found = database.search(slug, db_dir)
     if not found.files:
         raise LookupError(f"no tuning database for {slug}: {found.where} (run bole-tune step first)")
@@ -344,17 +343,11 @@ def device_slug(device=None) -> str:
     """The GPU slug of ``device``: a torch device (or its text, ``"cuda:0"``), None (this machine's current
     device) or a slug as it is (``"nvidia-h200"``: read another machine's budgets)."""
     if isinstance(device, str) and not _TORCH_DEVICE.match(device):
-        from bole_tune.fingerprint import slugify
-
         if slugify(device) != device:
             raise ValueError(f"device: {device!r} is neither a torch device nor a GPU slug such as 'nvidia-h200'")
         return device
     key = str(device)
     if key not in _slugs:
-        import torch
-
-        from bole_tune.fingerprint import fingerprint
-
         try:
             _slugs[key] = fingerprint(None if device is None else torch.device(device)).slug
         except (RuntimeError, TypeError) as error:

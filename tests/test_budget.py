@@ -250,10 +250,14 @@ def test_store_budgets_refuses_unknown_engine_or_workload(stored):
         budget.store_budgets(models=["qwen3.5-9b"], workloads=["chat"], slug="test-gpu")
 
 
-def test_store_budgets_never_writes_the_shipped_folder_by_default(monkeypatch):
-    monkeypatch.setenv("BOLE_TUNE_DB", str(database.SHIPPED_DIR))
+def test_store_budgets_never_writes_the_shipped_folder_by_default(monkeypatch, tmp_path):
+    """Not even when the user's default folder is the shipped one (a symlink): only an explicit folder."""
+    (tmp_path / "bole-tune").mkdir()
+    (tmp_path / "bole-tune" / "tuning_db").symlink_to(database.SHIPPED_DIR)
+    monkeypatch.delenv("BOLE_TUNE_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     before = (database.SHIPPED_DIR / "nvidia-h200.yaml").read_bytes()
-    with pytest.raises(ValueError, match="shipped tuning_db"):
+    with pytest.raises(ValueError, match="is the database shipped with bole-tune"):
         budget.store_budgets(slug="nvidia-h200")
     assert (database.SHIPPED_DIR / "nvidia-h200.yaml").read_bytes() == before
 
