@@ -22,6 +22,16 @@ interpreter with the test session):
 vLLM runs with VLLM_TARGET_DEVICE=cpu (the CPU platform: no CUDA probing).
 
 A failure prints one line starting "engine packages:" on stderr and exits 1 (CI fails on it).
+
+``--sglang-kernels DIR`` builds, instead, a folder DIR/sglang_kernels-<version>/site of a few hundred KiB
+for a GPU machine without network whose Python cannot load SGLang's full import chain: SGLang's own
+tree-verify kernel and snapshot scatter, extracted unchanged from its wheel
+(``sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py``,
+``sglang/kernels/ops/mamba/mamba_state_scatter_triton.py``, ``sglang/kernels/ops/memory/ptr_table.py``), and,
+for the device queries those files import from ``sglang.srt.utils`` and ``sglang.kernels.jit.utils``, a
+small module of bole-tune's own (`KERNEL_SHIM`) answering them from torch as SGLang does on CUDA (the SM
+version, ``torch.version.cuda`` >= 12.3 for SM90, PDL from SM90). tests/test_sglang_adapter.py checks on
+the CPU that the kernel run from this folder gives bit for bit the outputs of the full one.
 """
 
 from __future__ import annotations
@@ -133,6 +143,55 @@ def __getattr__(name):
 '''
 
 
+# The files of SGLang's wheel the kernels-only folder takes, unchanged.
+KERNEL_FILES = (
+    "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
+    "sglang/kernels/ops/mamba/mamba_state_scatter_triton.py",
+    "sglang/kernels/ops/memory/ptr_table.py",
+)
+
+# bole-tune's own answers to the device queries the kernel files import (written as
+# sglang/srt/utils/common.py; sglang/srt/utils/__init__.py and sglang/kernels/jit/utils.py re-export it).
+KERNEL_SHIM = '''"""Written by bole-tune\'s scripts/engine_packages.py --sglang-kernels: the device queries SGLang\'s
+tree-verify kernel files import, answered from torch the way SGLang answers them on CUDA and ROCm."""
+import torch
+
+
+def is_hip():
+    return torch.version.hip is not None
+
+
+def is_cuda():
+    return torch.cuda.is_available() and torch.version.cuda is not None
+
+
+def get_device_sm():
+    if not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def is_gfx95_supported():
+    return bool(torch.version.hip) and "gfx95" in torch.cuda.get_device_properties(0).gcnArchName
+
+
+def is_sm90_supported():
+    return (is_cuda() and get_device_sm() // 10 == 9
+            and tuple(map(int, torch.version.cuda.split(".")[:2])) >= (12, 3))
+
+
+def get_device_core_count(device_id=0):
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
+    return 0
+
+
+def is_arch_support_pdl():
+    return is_cuda() and not is_hip() and torch.cuda.get_device_capability()[0] >= 9
+'''
+
+
 class InstallError(RuntimeError):
     pass
 
@@ -153,6 +212,52 @@ def _pip(*args: str) -> None:
                            f"{lines[0] if lines else (done.stderr or done.stdout).strip()[-300:]}")
 
 
+def _wheel(engine: str, cache: Path) -> Path:
+    """``engine``'s wheel in CACHE/wheels, downloaded once."""
+    version = ENGINES[engine]["version"]
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"{engine}-{version}-*.whl"))
+    if not found:
+        # --only-binary with an explicit target picks the same wheel whatever this interpreter is
+        _pip("download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), f"{engine}=={version}")
+        found = sorted(wheels.glob(f"{engine}-{version}-*.whl"))
+    if not found:
+        raise InstallError(f"pip download {engine}=={version}: no wheel in {wheels}")
+    return found[-1]
+
+
+def kernels_recipe() -> str:
+    return (f"sglang=={ENGINES['sglang']['version']} " + " ".join(KERNEL_FILES)
+            + f" +shim-{hashlib.sha256(KERNEL_SHIM.encode()).hexdigest()[:8]}")
+
+
+def build_sglang_kernels(cache: Path, wheel_cache: Path | None = None) -> Path:
+    """CACHE/sglang_kernels-<version>/site: SGLang's kernel files and `KERNEL_SHIM` (module docstring)."""
+    folder = cache / f"sglang_kernels-{ENGINES['sglang']['version']}"
+    marker = folder / "complete"
+    if marker.is_file() and marker.read_text().strip() == kernels_recipe():
+        return folder / "site"
+    shutil.rmtree(folder, ignore_errors=True)
+    site = folder / "site"
+    with zipfile.ZipFile(_wheel("sglang", wheel_cache or cache)) as wheel:
+        for name in KERNEL_FILES:
+            wheel.extract(name, site)
+    packages = {Path(name).parent for name in KERNEL_FILES} | {Path("sglang/srt/utils"), Path("sglang/kernels/jit")}
+    for package in list(packages):
+        packages.update(package.parents)
+    for package in sorted(packages - {Path(".")}):
+        (site / package).mkdir(parents=True, exist_ok=True)
+        init = site / package / "__init__.py"
+        if not init.exists():
+            init.write_text("")
+    (site / "sglang/srt/utils/common.py").write_text(KERNEL_SHIM)
+    (site / "sglang/srt/utils/__init__.py").write_text("from .common import *  # noqa: F401,F403\n")
+    (site / "sglang/kernels/jit/utils.py").write_text("from sglang.srt.utils.common import is_arch_support_pdl  # noqa: F401\n")
+    marker.write_text(kernels_recipe() + "\n")
+    return site
+
+
 def build(engine: str, cache: Path) -> Path:
     """The folder that makes ``engine``'s configuration code importable; built unless already complete."""
     spec = ENGINES[engine]
@@ -161,17 +266,8 @@ def build(engine: str, cache: Path) -> Path:
     if marker.is_file() and marker.read_text().strip() == recipe(engine):
         return folder / "site"
     shutil.rmtree(folder, ignore_errors=True)
-    wheels = cache / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"{engine}-{spec['version']}-*.whl"))
-    if not found:
-        # --only-binary with an explicit target picks the same wheel whatever this interpreter is
-        _pip("download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), f"{engine}=={spec['version']}")
-        found = sorted(wheels.glob(f"{engine}-{spec['version']}-*.whl"))
-    if not found:
-        raise InstallError(f"pip download {engine}=={spec['version']}: no wheel in {wheels}")
     site = folder / "site"
-    with zipfile.ZipFile(found[-1]) as wheel:
+    with zipfile.ZipFile(_wheel(engine, cache)) as wheel:
         for name in wheel.namelist():
             if spec["keep"](name) or ".dist-info/" in name:
                 wheel.extract(name, site)
@@ -184,9 +280,17 @@ def build(engine: str, cache: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    cache = Path(argv[0] if argv else os.path.expanduser("~/.cache/bole-tune/engine-packages")).resolve()
+    kernels_only = "--sglang-kernels" in argv
+    argv = [a for a in argv if a != "--sglang-kernels"]
+    default = Path(os.path.expanduser("~/.cache/bole-tune/engine-packages"))
+    cache = Path(argv[0] if argv else default).resolve()
     start = time.perf_counter()
     try:
+        if kernels_only:
+            site = build_sglang_kernels(cache, wheel_cache=default)
+            print(f"SGLang's kernels ready in {site} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+            print(cache)
+            return 0
         for engine in ENGINES:
             build(engine, cache)
     except (InstallError, OSError, zipfile.BadZipFile) as error:

@@ -9,6 +9,10 @@
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
 #   step      bole-tune step, every model, into a copy of the shipped database in $OUT (STEP_ARGS for more flags)
 #   lookup    the runtime lookup's cost (bole-tune bench --lookup)
+#   sglang    the SGLang adapter against SGLang 0.5.23's own kernel: its tests on the GPU (production shapes
+#             included) and the side-by-side benchmark (JSON in $OUT/sglang-bench.json). SGLang's kernel comes
+#             from $BOLE_TUNE_ENGINE_PACKAGES, default ./.sgk where present: build it with
+#             python3 scripts/engine_packages.py --sglang-kernels .sgk (and carry .sgk to the machine)
 # Default: gputests bench (the speed check of a kernel change). Each stage has its own time limit
 # (STAGE_TIMEOUT, e.g. TESTS_TIMEOUT=300), so later stages still run. Logs and results go to $OUT
 # (or ./out): install.log, gpu.csv, one STAGE.log each and run.log (the tails shown). The machine needs
@@ -21,7 +25,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=150
 LOG="$OUT/run.log"
 stages=${*:-gputests bench}
 for stage in $stages; do
-  case $stage in tests|gputests|validate|profile|bench|step|lookup) ;; *) echo "unknown stage $stage (tests gputests validate profile bench step lookup)"; exit 2 ;; esac
+  case $stage in tests|gputests|validate|profile|bench|step|lookup|sglang) ;; *) echo "unknown stage $stage (tests gputests validate profile bench step lookup sglang)"; exit 2 ;; esac
 done
 
 rows=()
@@ -49,6 +53,10 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
     step) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
         BOLE_TUNE_DB="$OUT" timeout "${STEP_TIMEOUT:-540}" bole-tune step ${STEP_ARGS:-} ;;
     lookup) timeout "${LOOKUP_TIMEOUT:-120}" bole-tune bench --lookup ;;
+    sglang) [ -d .sgk ] && export BOLE_TUNE_ENGINE_PACKAGES=${BOLE_TUNE_ENGINE_PACKAGES:-$PWD/.sgk}
+        BOLE_TUNE_REQUIRE_ENGINES=1 timeout "${SGLANG_TESTS_TIMEOUT:-240}" python3 -m pytest tests/test_sglang_adapter.py \
+          -q -p no:cacheprovider -rs && timeout "${SGLANG_TIMEOUT:-420}" python3 -m bole_tune.engines.sglang \
+          --out "$OUT/sglang-bench.json" ;;
   esac
 }
 

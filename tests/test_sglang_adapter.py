@@ -306,6 +306,38 @@ def test_install_refuses(change, error, words):
         install(SimpleNamespace(), sglang_version="0.5.23")
 
 
+def test_kernels_only_folder_runs_sglang_kernel_unchanged(tmp_path):
+    """The kernels-only folder (scripts/engine_packages.py --sglang-kernels, what the GPU machine carries):
+    SGLang's kernel files byte for byte as in its wheel, and bit for bit the outputs of SGLang's full
+    package on the same cases (so the shim's device queries change nothing where both run)."""
+    import importlib.util
+    import zipfile
+    from pathlib import Path
+
+    from bole_tune.engines.engine_check import engine_site
+
+    try:
+        full = engine_site(PACKAGES, "sglang")
+    except EngineUnavailable as error:
+        if os.environ.get("BOLE_TUNE_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"engine packages: {error}", pytrace=False)
+        pytest.skip(f"{error}")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "engine_packages.py"
+    spec = importlib.util.spec_from_file_location("engine_packages", script)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    site = recipe.build_sglang_kernels(tmp_path, wheel_cache=Path(PACKAGES))
+    wheel = sorted((Path(PACKAGES) / "wheels").glob("sglang-*.whl"))[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        for name in recipe.KERNEL_FILES:
+            assert (site / name).read_bytes() == archive.read(name), name
+    rng = random.Random(3)
+    small = [make_case([random_tree(6, rng), beam_tree(3, 1, 4)[:4] + [2, 1]], 1, 2, 16, torch.bfloat16, 31)]
+    ours, theirs = run_sglang_cases(small, site=site), run_sglang_cases(small, site=full)
+    for name in ("o", "snapshots", "pool"):
+        assert torch.equal(ours[0][name], theirs[0][name]), name
+
+
 # --- production shapes on the GPU ------------------------------------------------------------------------
 
 @requires_gpu

@@ -44,12 +44,20 @@ class EngineUnavailable(RuntimeError):
 
 def engine_site(packages, engine: str) -> Path:
     """The folder scripts/engine_packages.py built for ``engine`` under ``packages``."""
-    found = sorted(Path(packages).glob(f"{engine}-*/site"))
+    found = sorted(Path(packages).glob(f"{engine}-[0-9]*/site"))
     complete = [site for site in found if (site.parent / "complete").is_file()]
     if not complete:
         raise EngineUnavailable(f"no {engine} packages under {packages} (run: python3 scripts/engine_packages.py "
                                 f"{packages})")
     return complete[-1]
+
+
+def sglang_kernel_site(packages) -> Path:
+    """Where SGLang's tree-verify kernel imports from under ``packages``: the kernels-only folder
+    (``scripts/engine_packages.py --sglang-kernels``: SGLang's kernel files unchanged, for a GPU machine that
+    cannot load SGLang's whole import chain) where there is one, else SGLang's full package folder."""
+    found = sorted(p for p in Path(packages).glob("sglang_kernels-*/site") if (p.parent / "complete").is_file())
+    return found[-1] if found else engine_site(packages, "sglang")
 
 
 def check_with_engine(engine: str, checks: list[dict], packages, timeout: float = 600) -> list[dict]:

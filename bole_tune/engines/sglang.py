@@ -524,11 +524,11 @@ def import_sglang_kernels(packages=None):
     own (the benchmark): SGLang's folder is appended to sys.path, after this environment's packages."""
     import sys
 
-    from bole_tune.engines.engine_check import EngineUnavailable, engine_site
+    from bole_tune.engines.engine_check import EngineUnavailable, sglang_kernel_site
 
     packages = packages or os.environ.get("BOLE_TUNE_ENGINE_PACKAGES",
                                           os.path.expanduser("~/.cache/bole-tune/engine-packages"))
-    site = str(engine_site(packages, "sglang"))
+    site = str(sglang_kernel_site(packages))
     if site not in sys.path:
         sys.path.append(site)
     try:
@@ -541,11 +541,21 @@ def import_sglang_kernels(packages=None):
     return fused_sigmoid_gating_delta_rule_update, fused_mamba_state_scatter_with_mask
 
 
+def bench_layers(batch: int, draft_tokens: int, heads: HeadShape, budget_bytes: int = 16 << 30, most: int = 24) -> int:
+    """GDN layers per timed round: SGLang's snapshot buffer of every layer (``batch * draft_tokens`` fp32 states
+    each) within ``budget_bytes``, at most ``most`` (Qwen3.5-9B has 24 GDN layers), at least 1."""
+    per_layer = batch * draft_tokens * heads.hv * heads.dv * heads.dk * 4
+    return max(1, min(most, budget_bytes // per_layer))
+
+
 def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | None = None, packages=None,
-              acceptance: str = "qwen3.5-mtp-mbpp", repeats: int = 50, device="cuda") -> list[dict]:
+              acceptance: str = "qwen3.5-mtp-mbpp", repeats: int = 50, device="cuda", progress=None) -> list[dict]:
     """Per GDN layer and round (verify plus commit), SGLang 0.5.23's serial kernel with its snapshot buffer and
-    its commit copy against the adapter (gates, `tree_verify` with the tuning database, `tree_commit`), side by
-    side in one process, both in CUDA graphs over rotating input sets (`bole_tune.timing.time_launches`).
+    its all-layer snapshot scatter against the adapter as SGLang would call it (`SGLangTreeVerifyKernel`:
+    ``target_verify`` per layer, gates, the tree converted once per round, `tree_verify` with the tuning
+    database; then ``commit``, one launch for all layers), side by side in one process, both in CUDA graphs
+    over rotating input sets (`bole_tune.timing.time_launches`). A round covers `bench_layers` layers (all 24
+    of the 9B where SGLang's snapshot buffers fit in 16 GiB); the figures are per layer.
 
     ``shapes``: SGLang's ``(speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)``, trees
     built as SGLang builds them (`bole_tune.draft_trees.SGLangBeam`). Each request accepts the deepest node of
@@ -571,58 +581,69 @@ def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | No
         deepest = max(range(len(local)), key=lambda i: depth_of[i])
         for b in batches:
             t, n = draft, b * draft
+            layers = bench_layers(b, t, h)
             gen = torch.Generator(device=device).manual_seed(b * 1000 + draft)
-            state_bytes = b * h.hv * h.dv * h.dk * 4
-            sets = rotation_count(state_bytes + n * (2 * h.hk * h.dk + h.hv * h.dv) * 2, l2_cache_bytes(device), 8)
+            state_bytes = layers * b * h.hv * h.dv * h.dk * 4
+            sets = rotation_count(state_bytes + layers * n * (2 * h.hk * h.dk + h.hv * h.dv) * 2,
+                                  l2_cache_bytes(device), 8)
 
             def rand(*size, scale=1.0, dt=dtype):
                 return (torch.randn(*size, generator=gen, device=device) * scale).to(dt)
 
-            inputs = [dict(q=rand(1, n, h.hk, h.dk), k=rand(1, n, h.hk, h.dk), v=rand(1, n, h.hv, h.dv),
-                           a=rand(n, h.hv), b=rand(n, h.hv), pool=rand(b, h.hv, h.dv, h.dk, scale=0.1,
-                                                                      dt=torch.float32)) for _ in range(sets)]
+            inputs = [dict(q=rand(layers, 1, n, h.hk, h.dk), k=rand(layers, 1, n, h.hk, h.dk),
+                           v=rand(layers, 1, n, h.hv, h.dv), a=rand(layers, n, h.hv), b=rand(layers, n, h.hv),
+                           pools=rand(layers, b, h.hv, h.dv, h.dk, scale=0.1, dt=torch.float32))
+                      for _ in range(sets)]
             a_log, dt_bias = rand(h.hv, scale=0.5, dt=torch.float32), rand(h.hv, dt=torch.float32)
             slots = torch.arange(b, dtype=torch.int32, device=device)
             parents = torch.tensor([sglang_parents(local)] * b, dtype=torch.int32, device=device)
             qsl = torch.arange(0, n + 1, t, dtype=torch.int32, device=device)
             steps_acc = torch.full((b,), deepest, dtype=torch.int64, device=device)
-            snapshots = torch.empty(b + 1, t, h.hv, h.dv, h.dk, dtype=torch.float32, device=device)
+            # SGLang's intermediate_ssm: [layers, rows (+1 spare), T, Hv, dv, dk]
+            snapshots = torch.empty(layers, b + 1, t, h.hv, h.dv, h.dk, dtype=torch.float32, device=device)
             rows_idx = torch.arange(b, dtype=torch.int32, device=device)
 
             def sglang_round(i):
                 x = inputs[i]
-                fused(A_log=a_log, dt_bias=dt_bias, q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"],
-                      initial_state_source=x["pool"], initial_state_indices=slots, cu_seqlens=qsl,
-                      use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
-                      disable_state_update=True, intermediate_states_buffer=snapshots,
-                      intermediate_state_indices=rows_idx, cache_steps=t, retrieve_parent_token=parents)
+                for l in range(layers):
+                    fused(A_log=a_log, dt_bias=dt_bias, q=x["q"][l], k=x["k"][l], v=x["v"][l], a=x["a"][l],
+                          b=x["b"][l], initial_state_source=x["pools"][l], initial_state_indices=slots,
+                          cu_seqlens=qsl, use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0,
+                          is_kda=False, disable_state_update=True, intermediate_states_buffer=snapshots[l],
+                          intermediate_state_indices=rows_idx, cache_steps=t, retrieve_parent_token=parents)
                 if snapshots.is_cuda:
-                    scatter(x["pool"][None], snapshots[None], slots, steps_acc)
+                    scatter(x["pools"], snapshots, slots, steps_acc)
                 else:  # CPU smoke runs: SGLang's scatter is CUDA-only; the same gather
-                    x["pool"][slots.long()] = snapshots[rows_idx.long(), steps_acc]
+                    x["pools"][:, slots.long()] = snapshots[:, rows_idx.long(), steps_acc]
 
-            tree = sglang_tree(parents, max_depth=steps)
-            results = LayerResults.empty(sets, tree, h, dtype, device)
-            accepted = steps_acc.to(torch.int32)
+            kernels = [SGLangTreeVerifyKernel(pools=x["pools"], max_depth=steps) for x in inputs]
+            for kernel in kernels:
+                kernel.reserve(b, t, h, dtype, device)
 
             def adapter_round(i):
-                x = inputs[i]
-                g, beta = gdn_gates(x["a"], x["b"], a_log, dt_bias, validate=False)
-                res = tree_verify(x["q"][0], x["k"][0], x["v"][0], g, beta, x["pool"], slots, tree, config=None,
-                                  validate=False, out=results.layer(i, tree))
-                tree_commit(x["pool"], slots, res, accepted, validate=False)
+                x, kernel = inputs[i], kernels[i]
+                for l in range(layers):
+                    kernel.target_verify(a_log, dt_bias, x["q"][l], x["k"][l], x["v"][l], x["a"][l], x["b"][l],
+                                         ssm_states=x["pools"][l], cache_indices=slots, query_start_loc=qsl,
+                                         cache_steps=t, retrieve_parent_token=parents)
+                kernel.commit(steps_acc, slots)
 
             sglang_t = time_launches(sglang_round, sets, device, repeats=repeats)
             adapter_t = time_launches(adapter_round, sets, device, repeats=repeats)
             convert_t = time_launches(lambda i: sglang_tree(parents, max_depth=steps), 1, device, repeats=repeats)
             adapter_bytes = SGLangTreeVerifyKernel.transient_bytes_per_request_layer(t, h, dtype)
+            per_layer = {name: v / layers if name.endswith("_us") else v for name, v in sglang_t.as_dict().items()}
+            ours = {name: v / layers if name.endswith("_us") else v for name, v in adapter_t.as_dict().items()}
             rows.append({
                 "batch": b, "steps": steps, "topk": topk, "draft_tokens": draft, "depth": max(depth_of),
-                "sglang_us": sglang_t.as_dict(), "adapter_us": adapter_t.as_dict(),
+                "layers_per_round": layers, "sglang_us": per_layer, "adapter_us": ours,
                 "speedup_p50": sglang_t.p50_us / adapter_t.p50_us, "tree_conversion_us_per_round": convert_t.p50_us,
                 "sglang_bytes_per_request_layer": t * h.hv * h.dv * h.dk * 4,
                 "adapter_bytes_per_request_layer": adapter_bytes, "input_sets": sets,
             })
+            del inputs, kernels, snapshots
+            if progress:
+                progress(rows[-1])
     return rows
 
 
@@ -636,13 +657,16 @@ def _main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here (default: stdout)")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
-    rows = benchmark(batches=tuple(int(x) for x in args.batches.split(",")), repeats=args.repeats)
-    for r in rows:
+
+    def show(r):
         print(f"B={r['batch']:>2} ({r['steps']},{r['topk']},{r['draft_tokens']:>2}): SGLang "
               f"{r['sglang_us']['p50_us']:8.1f} us  adapter {r['adapter_us']['p50_us']:7.1f} us  "
               f"x{r['speedup_p50']:5.1f}  tree {r['tree_conversion_us_per_round']:5.1f} us/round  "
               f"bytes/req/layer {r['sglang_bytes_per_request_layer'] / 2**20:6.2f} MiB vs "
-              f"{r['adapter_bytes_per_request_layer'] / 2**10:6.1f} KiB", flush=True)
+              f"{r['adapter_bytes_per_request_layer'] / 2**10:6.1f} KiB  ({r['layers_per_round']} layers/round, "
+              f"{r['sglang_us']['method']})", flush=True)
+
+    rows = benchmark(batches=tuple(int(x) for x in args.batches.split(",")), repeats=args.repeats, progress=show)
     text = json.dumps(rows, indent=1)
     if args.out:
         with open(args.out, "w") as f:

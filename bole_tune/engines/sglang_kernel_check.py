@@ -29,14 +29,16 @@ from pathlib import Path
 RESULT_MARK = "bole-tune-sglang-kernel: "
 
 
-def run_sglang_cases(cases: list[dict], packages, interpret: bool | None = None, timeout: float = 900) -> list[dict]:
-    """SGLang's outputs for each case (see the module docstring); raises `EngineUnavailable` when SGLang's
-    packages are missing or the script fails (the message is its last line of output)."""
+def run_sglang_cases(cases: list[dict], packages=None, interpret: bool | None = None, timeout: float = 900,
+                     site=None) -> list[dict]:
+    """SGLang's outputs for each case (see the module docstring), its kernel imported from ``site`` (default:
+    `sglang_kernel_site` of ``packages``); raises `EngineUnavailable` when SGLang's packages are missing or
+    the script fails (the message is its last line of output)."""
     import torch
 
-    from bole_tune.engines.engine_check import EngineUnavailable, engine_site
+    from bole_tune.engines.engine_check import EngineUnavailable, sglang_kernel_site
 
-    site = engine_site(packages, "sglang")
+    site = site or sglang_kernel_site(packages)
     with tempfile.TemporaryDirectory(prefix="bole-tune-sglang-kernel-") as folder:
         inputs, outputs = Path(folder) / "cases.pt", Path(folder) / "results.pt"
         torch.save([{name: x.cpu() for name, x in case.items()} for case in cases], inputs)

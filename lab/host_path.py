@@ -1,0 +1,84 @@
+"""Where the host time of an eager tree_verify / folded verify / tree_commit call goes (issue 17's <= 40 us at
+B=1). Wall time per call in a loop of eager calls (no sync inside the loop), and each stage alone.
+
+    python3 lab/host_path.py [--batch 1] [--tree-size 4] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from bole_tune.kernels import PLANNER, PendingCommit, PendingPaths, tree_commit, tree_verify
+from bole_tune.kernels.verify.checks import check_verify_inputs
+from bole_tune.kernels.verify.result import result_buffers
+from bole_tune.kernels.verify.run import run_launch
+from bole_tune.workloads import make_inputs, make_tree
+
+
+def per_call(fn, calls=2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best.append((time.perf_counter() - start) * 1e6 / calls)
+    return sorted(best)[len(best) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tree-size", type=int, default=4)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    dev = "cuda"
+    tree = make_tree([args.tree_size] * args.batch, "chain", device=dev)
+    x = make_inputs(tree, 16, 32, 128, 128, torch.bfloat16, dev, seed=1)
+    a = x.args(tree)
+    accepted = torch.full((args.batch,), args.tree_size - 1, dtype=torch.int32, device=dev)
+    res = tree_verify(*a)
+    res2 = tree_verify(*a)
+    paths = PendingPaths(tree, accepted, torch.arange(args.batch, dtype=torch.int32, device=dev))
+    pending = PendingCommit(paths, res)
+    shape = check_verify_inputs(*a, None, None)
+    launch = PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch, max_tree_size=tree.max_tree_size,
+                          depth=tree.depth, device=dev)
+    rows = {
+        "tree_verify (default eager)": lambda: tree_verify(*a),
+        "tree_verify out=": lambda: tree_verify(*a, out=res2),
+        "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
+        "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
+        "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),
+        "  check_verify_inputs": lambda: check_verify_inputs(*a, None, None),
+        "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
+                                               max_tree_size=tree.max_tree_size, depth=tree.depth, device=dev),
+        "  result_buffers (fresh)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
+        "  run_launch (Triton launch)": lambda: run_launch(launch, *a, shape, res2, True),
+        "  torch.empty x1": lambda: torch.empty(64, device=dev),
+    }
+    print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16; launch {launch.variant} {launch.config}")
+    for name, fn in rows.items():
+        print(f"{name:40s} {per_call(fn):8.1f} us/call")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            tree_verify(*a)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main()
