@@ -296,6 +296,12 @@ class SGLangTreeVerifyKernel:
             return acc, slots
 
         layers = sorted(rnd.layers)
+        if isinstance(pools, torch.Tensor) and pools.dim() == 5 and len(layers) != pools.shape[0]:
+            # SGLang verifies every GDN layer of the pool each round with one retrieve_parent_token buffer; a layer
+            # missing here was verified under another buffer (another round) and would silently keep its old state
+            raise RuntimeError(f"commit: this round verified layers {layers} of the pool's {pools.shape[0]}; the others "
+                               "were verified with another retrieve_parent_token buffer (every layer of a round must "
+                               "get the same one) or not at all")
         if track_indices is not None and track_steps is not None:
             # the track slots receive node track_steps[r]'s state, built from S_pre in the request's slot before
             # the main commit overwrites it: commit into a gathered copy, scatter the rows that track
