@@ -187,10 +187,11 @@ def test_round_split_over_two_parent_buffers_refused(device):
     pools = torch.stack([x["pool"], x["pool"].clone()])
     kernel = SGLangTreeVerifyKernel(pools=pools)
     qsl = torch.arange(0, 9, 4, dtype=torch.int32, device=device)
+    buffers = [x["parents"].clone() for _ in range(2)]  # both alive: two distinct buffers
     for layer in (0, 1):
         kernel.target_verify(x["A_log"], x["dt_bias"], x["q"], x["k"], x["v"], x["a"], x["b"], ssm_states=pools[layer],
                              cache_indices=x["cache_indices"], query_start_loc=qsl, cache_steps=4,
-                             retrieve_parent_token=x["parents"].clone())  # a new buffer each layer
+                             retrieve_parent_token=buffers[layer])  # another buffer each layer
     before = pools.clone()
     with pytest.raises(RuntimeError, match=r"verified layers \[1\] of the pool's 2"):
         kernel.commit(x["steps"], x["cache_indices"])
