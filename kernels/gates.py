@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from .common import INPUT_DTYPES, use_triton, validation_enabled
-from .launch import FastLauncher
 
 
 @triton.jit
@@ -73,10 +72,8 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
     beta = torch.empty_like(g)
     block_h = triton.next_power_of_2(heads)
     block_n = max(1, min(64, 4096 // block_h))
-    _LAUNCHER((triton.cdiv(n, block_n),),
-              (a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, n, heads, a.stride(0), b.stride(0)),
-              {"BLOCK_N": block_n, "BLOCK_H": block_h}, 4, 3)
+    gdn_gates_kernel[(triton.cdiv(n, block_n),)](
+        a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, n, heads, a.stride(0), b.stride(0),
+        BLOCK_N=block_n, BLOCK_H=block_h,
+    )
     return g, beta
-
-
-_LAUNCHER = FastLauncher(gdn_gates_kernel)

@@ -8,13 +8,10 @@ from bole_tune.config import node_block
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype, token_head_strides
-from ..launch import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
-
-LAUNCHERS = {"fused": FastLauncher(tree_verify_fused_kernel), "resident": FastLauncher(tree_verify_resident_kernel)}
 
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
@@ -28,11 +25,11 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     v, sv_n, sv_h = token_head_strides(v)
     block_depth, max_blocks = tree.block_depths(launch.node_block)
     if launch.variant == "resident":
-        grid = (h.hv * launch.v_split, shape.num_requests)
+        kernel = tree_verify_resident_kernel[(h.hv * launch.v_split, shape.num_requests)]
         blocks = ()
         extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16}
     else:
-        grid = (h.dv // config.b_v, h.hv, shape.num_requests)
+        kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}
     if pending is None:  # the fold's pointers are unused: any tensors do
         fold = (tree.offsets,) * 6 + (res.u, res.log_decay, res.k, res.k_scale, res.committed, 0)
@@ -43,13 +40,15 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                 paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed, commit_epoch())
         extra.update(FOLD=True, B_TP=node_block(paths.tree.max_tree_size),
                      B_P=max(16, triton.next_power_of_2(paths.tree.depth + 1)))
-    args = (q, k, v, g, beta, state, state_indices,
-            tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, *fold,
-            shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
-            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-            state.stride(0), state.stride(1), state.stride(2))
-    meta = dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
-                USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q))
-    LAUNCHERS[launch.variant](grid, args, meta, config.num_warps, config.num_stages)
+    kernel(
+        q, k, v, g, beta, state, state_indices,
+        tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+        res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, *fold,
+        shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
+        USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
     return res
