@@ -47,7 +47,7 @@ def tree_verify_fused_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16,
+    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -88,7 +88,7 @@ def tree_verify_fused_kernel(
             if FOLD:  # the first block commits the previous round into the tile; later blocks read it back
                 fold_now = pending & (i_b == 0)
                 b_s = fold_tile(b_s, rows_p, m_p & fold_now, weight_p, tl.where(fold_now, decay_p, 1.0), o_v, o_k,
-                                i_h, i_hk, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V)
+                                i_h, i_hk, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V, FOLD_DOT)
                 tl.store(p_state + o_k[None, :], b_s, mask=fold_now)
             b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
                 q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,

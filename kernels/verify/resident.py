@@ -58,7 +58,7 @@ def tree_verify_resident_kernel(
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False,
-    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16,
+    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -136,7 +136,7 @@ def tree_verify_resident_kernel(
             b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
             if FOLD:
                 b_s = fold_tile(b_s, rows_p, m_p, weight_p, decay_p, o_v, o_k, i_h, i_hk, fold_u_ptr, fold_k_ptr,
-                                H_V, H_K, D_K, D_V)
+                                H_V, H_K, D_K, D_V, FOLD_DOT)
                 tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
             b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
         b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],

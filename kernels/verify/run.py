@@ -14,6 +14,13 @@ from .resident import tree_verify_resident_kernel
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 
+FOLD_DOT_PRECISION = "tf32x3"
+"""Precision of the fold's product (`blocks.fold_tile`): three tf32 tensor-core passes, about fp32's accuracy
+(H200, 9B heads: the committed state within 1.1e-7 of the closed form, fp32 FMAs 6.8e-8) and faster than fp32
+FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node trees 96.8 against 111.1 us
+(BENCHMARKS.md, "A layer's round")."""
+
+
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
                res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None) -> TreeVerifyResult:
     """Run ``launch`` on checked inputs, writing into ``res``. The two kernels take the same arguments
@@ -38,7 +45,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.accepted, paths.tree.offsets, paths.tree.dfs_enter, paths.tree.dfs_exit,
                 paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed, commit_epoch())
-        extra.update(FOLD=True, B_TP=node_block(paths.tree.max_tree_size),
+        extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_TP=node_block(paths.tree.max_tree_size),
                      B_P=max(16, triton.next_power_of_2(paths.tree.depth + 1)))
     kernel(
         q, k, v, g, beta, state, state_indices,
