@@ -31,13 +31,12 @@ SGLang's conventions (read from its 0.5.23 code):
   ``>= draft_token_num`` skips the request. ``mamba_track_indices`` / ``mamba_steps_to_track`` (prefix-cache
   tracking) copy another node's state into a second slot the same way.
 
-The tree is converted on the device (`sglang_tree`: a few batched ``[B, T, T]`` products, no host copy),
+The tree is converted on the device (`sglang_tree`: one Triton launch, `kernels/tree_build.py`; no host copy),
 once per round at the round's first GDN layer, so a round can be captured in a CUDA graph as SGLang does.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -64,49 +63,29 @@ def sglang_parents(parents: list[int]) -> list[int]:
 def sglang_tree(retrieve_parent_token: torch.Tensor, max_depth: int | None = None) -> TreeBatch:
     """A `TreeBatch` from SGLang's ``retrieve_parent_token`` ``[B, T]`` (device work only, graph-safe).
 
-    The depth-first numbering comes from the ancestor matrix (``A = (I + P)`` squared ceil(log2 T) times):
+    One Triton launch (`bole_tune.kernels.tree_build.build_tree_tables`, one program per request) builds the
+    ancestor matrix ``A = (I + P)`` squared ceil(log2 T) times in registers and reads everything from it:
     ``depth_i = sum_j A_ij - 1``, subtree sizes ``sum_i A_ij``, ``enter_i = depth_i + sum_(a <= i) off_a`` with
-    ``off_a`` the sizes of a's earlier siblings, ``exit_i = enter_i + size_i - 1``. The host side holds bounds
-    only: every request has T nodes, and the depth is at most ``max_depth`` (default T - 1; SGLang's trees are
+    ``off_a`` the sizes of a's earlier siblings, ``exit_i = enter_i + size_i - 1``, and the per-block sweep
+    counts (`TreeBatch.block_depths` for blocks of 16, 32 and 64 nodes). A parent entry is taken into
+    ``[0, i - 1]``; node 0's is not read. Trees of more than 128 nodes, and CPU tensors without
+    ``TRITON_INTERPRET=1``, run the same algorithm as batched torch ops. The host side holds bounds only:
+    every request has T nodes, and the depth is at most ``max_depth`` (default T - 1; SGLang's trees are
     ``speculative_num_steps`` deep). Extra substitution sweeps are no-ops, so a bound above the true depth is
-    exact; the per-block sweep counts are computed on the device.
+    exact.
     """
+    from bole_tune.kernels.tree_build import build_tree_tables
+
     if retrieve_parent_token.dim() != 2:
         raise ValueError(f"retrieve_parent_token: expected [B, T], got {tuple(retrieve_parent_token.shape)}")
     b, t = retrieve_parent_token.shape
-    device = retrieve_parent_token.device
-    idx = torch.arange(t, device=device)
-    par = retrieve_parent_token.long().clamp(min=0)
-    par = torch.minimum(par, (idx - 1).clamp(min=0))  # defensive: a parent precedes its child
-    onehot = torch.zeros(b, t, t, device=device, dtype=torch.float32)
-    if t > 1:
-        onehot[:, 1:].scatter_(2, par[:, 1:, None], 1.0)
-    anc = onehot + torch.eye(t, device=device)
-    for _ in range(max(0, math.ceil(math.log2(t)))):
-        anc = (anc @ anc).clamp(max=1.0)
-    depth = anc.sum(2) - 1  # [B, T]
-    size = anc.sum(1)  # [B, T] subtree sizes
-    parent_full = torch.where(idx[None] == 0, torch.full_like(par, -1), par)  # [B, T]
-    same = (parent_full[:, :, None] == parent_full[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
-    off = (same.float() * size[:, None, :]).sum(2)  # earlier siblings' subtree sizes
-    enter = depth + (anc * off[:, None, :]).sum(2)
-    exit_ = enter + size - 1
-    block_tables = {}
-    for block in (16, 32, 64):
-        blocks = -(-t // block)
-        blk = idx // block
-        local = (anc * (blk[None, None, :] == blk[None, :, None])).sum(2) - 1
-        table = torch.zeros(b, blocks, device=device, dtype=torch.float32)
-        table.scatter_reduce_(1, blk[None].expand(b, t), local, reduce="amax", include_self=True)
-        block_tables[block] = (table.to(torch.int32), blocks)
-    i32 = torch.int32
+    tables = build_tree_tables(retrieve_parent_token)
     tree = TreeBatch(
-        offsets=torch.arange(0, (b + 1) * t, t, device=device, dtype=i32),
-        parents=parent_full.reshape(-1).to(i32), node_depth=depth.reshape(-1).to(i32),
-        dfs_enter=enter.reshape(-1).to(i32), dfs_exit=exit_.reshape(-1).to(i32),
+        offsets=tables.offsets, parents=tables.parents, node_depth=tables.node_depth,
+        dfs_enter=tables.dfs_enter, dfs_exit=tables.dfs_exit,
         sizes=(t,) * b, depth=min(t - 1, t - 1 if max_depth is None else int(max_depth)),
         _host_parents=(), _host_depths=())
-    tree._cache.update(block_tables)
+    tree._cache.update(tables.block_depths)
     return tree
 
 
