@@ -52,13 +52,15 @@ def cmd_bench(args) -> int:
     import torch
 
     from bole_tune.bench import run_cases
-    from bole_tune.lookup import lookup_cost_ns
+    from bole_tune.lookup import commit_lookup_cost_ns, lookup_cost_ns
     from bole_tune.profiles import resolve_model
 
     if args.lookup:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         console.print(f"tree_verify(config=None) lookup after the first call: {lookup_cost_ns(device):.0f} ns per "
                       f"call on {device}")
+        console.print(f"tree_commit(config=None) lookup after the first call: {commit_lookup_cost_ns(device):.0f} ns "
+                      f"per call on {device}")
         return 0
     _call(check_outputs, args, json=False)
     models = [_call(resolve_model, m) for m in (args.model or ["qwen3.5-9b"])]
@@ -92,8 +94,9 @@ def cmd_env(args) -> int:
     return 0
 
 
-def _plan(args, runner_kind: str):
-    """`profile`'s or `tune`'s plan and search space; output paths, --trials and --workers checked first."""
+def _plan(args, runner_kind: str, commit: bool = False):
+    """`profile`'s or `tune`'s plan and search space (``commit``: the commit's only, for ``tune --commit``);
+    output paths, --trials and --workers checked first."""
     from bole_tune.profiler import make_plan, plan_keys
     from bole_tune.search_space import SearchSpace
     from bole_tune.workers import check_workers
@@ -101,7 +104,15 @@ def _plan(args, runner_kind: str):
     _call(check_outputs, args, db_dir=True, record=False)
     plan = _call(make_plan, args.model, args.dtype, args.tp, args.quick, args.batch, args.tree_size, args.trials,
                  args.repeats, getattr(args, "curve_batch", None), getattr(args, "curve_tree_size", None),
-                 serial=not getattr(args, "no_serial", False))
+                 serial=not getattr(args, "no_serial", False), commit=commit)
+    if commit:
+        if args.workers is not None:
+            raise UsageError("--workers: the commit is tuned in this process (its studies take seconds); "
+                             "drop --workers with --commit")
+        space = _call(SearchSpace.load, kind="commit")
+        if args.sampler != "grid":
+            _call(space.check_trials, plan.commit_trials)
+        return plan, space
     space = _call(SearchSpace.load)
     if args.sampler != "grid":  # a grid measures every config whatever --trials says
         _call(space.check_trials, plan.n_trials)
@@ -111,28 +122,40 @@ def _plan(args, runner_kind: str):
     return plan, space
 
 
+def _commit_table(results):
+    """`render.tuning`'s table of commit studies (keys end in -L<layers per launch>)."""
+    table = render.tuning(results)
+    table.title = "tuned commit configs (tree_commit / tree_commit_layers; L: layers one launch commits)"
+    return table
+
+
 def cmd_profile(args) -> int:
     """`bole_tune.profiler.profile`."""
     from bole_tune.profiler import profile
+    from bole_tune.search_space import SearchSpace
 
     plan, space = _plan(args, "gpu")
+    commit_space = _call(SearchSpace.load, kind="commit")
     with render.progress_bar(console) as bar:
         result = _call(profile, plan, args.db_dir, args.storage, args.workers, args.sampler, args.replace_corrupt,
-                       space=space, progress=render.stage_progress(bar), remeasure=args.remeasure)
+                       space=space, progress=render.stage_progress(bar), remeasure=args.remeasure,
+                       commit_space=commit_space)
     _say([f"[bold]bole-tune profile[/] on {result.device_name} -> {result.path}", *result.notes,
-          *([render.tuning(result.tuned)] if result.tuned else []), render.curves(result.curve_rows),
+          *([render.tuning(result.tuned)] if result.tuned else []),
+          *([_commit_table(result.commit_tuned)] if result.commit_tuned else []), render.curves(result.curve_rows),
           f"database written: {result.path}"])
     return 0
 
 
 def cmd_tune(args) -> int:
-    """`bole_tune.profiler.tune` with a GPU or a replayed recording (`exhaustive` with --exhaustive)."""
+    """`bole_tune.profiler.tune` with a GPU or a replayed recording (`exhaustive` with --exhaustive;
+    `tune_commit` with --commit)."""
     import torch
 
-    from bole_tune.profiler import exhaustive, tune
+    from bole_tune.profiler import exhaustive, tune, tune_commit
     from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
 
-    plan, space = _plan(args, "replay" if args.replay else "gpu")
+    plan, space = _plan(args, "replay" if args.replay else "gpu", commit=args.commit)
     if args.record and not args.exhaustive:
         raise UsageError("--record: only with --exhaustive (tuning workers record into the Optuna storage)")
     if args.replay:
@@ -144,15 +167,21 @@ def cmd_tune(args) -> int:
     if args.record:
         runner = RecordingRunner(runner, args.record)
     db_path = _call(database.database_path, runner.fingerprint().slug, args.db_dir)
-    console.print(f"[bold]bole-tune tune[/] with {runner.name} -> {db_path}")
+    what = "the commit (tree_commit, tree_commit_layers)" if args.commit else "tree_verify"
+    console.print(f"[bold]bole-tune tune[/] {what} with {runner.name} -> {db_path}")
     with render.progress_bar(console) as bar:
         if args.exhaustive:
             found = exhaustive(plan, runner, space, progress=render.stage_progress(bar))
+        elif args.commit:
+            result = _call(tune_commit, plan, runner, db_path, args.storage, args.replace_corrupt, space=space,
+                           sampler=args.sampler, progress=render.stage_progress(bar))
         else:
             result = _call(tune, plan, runner, space, db_path, args.storage, args.workers, args.sampler,
                            args.replace_corrupt, progress=render.stage_progress(bar))
     if args.exhaustive:
         _say(render.exhaustive(found))
+    elif args.commit:
+        _say([*result.notes, _commit_table(result.commit_tuned), f"database written: {db_path}"])
     else:
         _say([*result.notes, render.tuning(result.tuned), f"database written: {db_path}"])
     return 0
@@ -170,6 +199,8 @@ def _found(args) -> database.Found:
 
 def cmd_show(args) -> int:
     """`bole_tune.database.search` (or `load` with --file): what the runtime reads."""
+    from bole_tune.config import CommitConfig
+
     if args.file:
         data, where = _call(database.load, args.file), str(args.file)
     else:
@@ -178,18 +209,25 @@ def cmd_show(args) -> int:
     if args.json:
         print(render.json_text(data))
         return 0
+    commits = data.get("commit_configs") or {}
+    commit_line = ([f"[bold]commit_configs[/] ({len(commits)}; config b_k/b_v/v_span/num_warps/num_stages): "
+                    + ", ".join(f"{name} {CommitConfig.from_dict(e['config']).text}"
+                                for name, e in sorted(commits.items()))] if commits else [])
     _say([f"[bold]{where}[/] — {data['device'].get('name', '?')} (schema {data['schema_version']})",
-          render.configs(data), *render.curve_summaries(data)])
+          render.configs(data), *commit_line, *render.curve_summaries(data)])
     return 0
 
 
 def cmd_lookup(args) -> int:
-    """`bole_tune.lookup.decide`: the config tree_verify(config=None) would run, and why."""
-    from bole_tune.lookup import decide, policy
+    """`bole_tune.lookup.decide` (`decide_commit` with --commit): the config tree_verify(config=None), or
+    tree_commit(config=None) / tree_commit_layers(config=None), would run, and why."""
+    from bole_tune.lookup import decide, decide_commit, policy
     from bole_tune.shapes import HeadShape
 
     if args.hv % args.hk:
         raise UsageError(f"--hv {args.hv} must be a multiple of --hk {args.hk}")
+    if args.layers is not None and not args.commit:
+        raise UsageError("--layers: only with --commit (the layers one commit launch covers)")
     slug = args.gpu or fingerprint().slug
     try:
         heads = HeadShape(hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv).per_rank(args.tp)
@@ -197,6 +235,16 @@ def cmd_lookup(args) -> int:
         raise UsageError(f"--tp: {str(error).removeprefix('tp: ')}") from None
     key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp)
     mode = args.policy or _call(policy)
+    if args.commit:
+        commit_key = database.CommitKey(shape=key, layers=args.layers or 1)
+        decision = _call(decide_commit, commit_key, slug, mode, args.db_dir, num_requests=args.batch)
+        if args.json:
+            print(render.json_text({"gpu": slug, "key": commit_key.text, "policy": mode, "how": decision.how,
+                                    "reason": decision.reason, "config": decision.config.as_dict(),
+                                    "tuned_p50_us": decision.latency_us, "source": decision.source}))
+            return 0
+        console.print(f"{commit_key.text} on {slug}: [bold]{decision.config}[/] ({decision.how}: {decision.reason})")
+        return 0
     decision = _call(decide, key, slug, mode, args.db_dir)
     if args.json:
         print(render.json_text({"gpu": slug, "key": key.text, "policy": mode, "how": decision.how,
@@ -296,9 +344,11 @@ TREE_SIZES = {"type": integers(MAX_TREE_SIZE), "help": f"nodes per request, e.g.
 REPEATS = {"type": integer(MIN_REPEATS, MAX_REPEATS), "help": "timed replays per measurement"}
 TP = {"type": integer(1), "default": 1, "help": "tensor-parallel degree: heads per rank = heads / tp"}
 TUNING = {"--model": MODELS, "--dtype": {"choices": list(DTYPES), "default": "bf16"}, "--tp": TP,
-          "--quick": {**FLAG, "help": "small grid (batch 1,4,16; tree 16,64,128) and 16 trials"},
+          "--quick": {**FLAG, "help": "small grid (batch 1,4,16; tree 16,64,128), 16 trials (12 per commit study); "
+                                      "tune --commit --quick: batch 1-32, tree 8-64"},
           "--batch": BATCHES, "--tree-size": TREE_SIZES, "--repeats": {**REPEATS, "default": 30},
-          "--trials": {**POSITIVE, "help": "Optuna trials per bucket, at most one per config (default 32, 16 quick)"},
+          "--trials": {**POSITIVE, "help": "Optuna trials per bucket, at most one per config (default 32, 16 quick; "
+                                         "with tune --commit: per commit study, default 24, 12 quick)"},
           "--storage": {"help": "Optuna storage URL (default: an SQLite file in ~/.cache/bole-tune); an interrupted "
                                 "run resumes from it; more hosts join with the same command and storage"},
           "--workers": {**POSITIVE, "help": "worker processes on this host (default: one per visible GPU)"},
@@ -309,9 +359,10 @@ TUNING = {"--model": MODELS, "--dtype": {"choices": list(DTYPES), "default": "bf
 
 COMMANDS = {
     "profile": (cmd_profile, "tune every bucket and measure latency curves; write the tuning database",
-                "For each model's GDN heads: tune tree_verify's tile configs per (tree size, batch) bucket with Optuna "
-                "(every candidate checked against the float64 reference first), then measure the per-layer latency of "
-                "tree_verify (tuned and default), serial_verify and tree_commit, and write it all with provenance "
+                "For each model's GDN heads: tune tree_verify's and the commit's tile configs per (tree size, batch) "
+                "bucket with Optuna (every candidate checked against the float64 reference first), then measure the "
+                "per-layer latency of tree_verify (tuned and default), serial_verify, tree_commit and a layer's round "
+                "(tuned verify plus tuned commit; serial_verify plus its copy), and write it all with provenance "
                 "to <db-dir>/<gpu>.yaml. Without a GPU it measures the CPU fallback and says so.",
                 {**TUNING, "--no-serial": {**FLAG, "help": "skip the serial baseline curve"},
                  "--curve-batch": {**BATCHES, "help": "batch sizes of the latency curves (default: as tuned)"},
@@ -319,11 +370,15 @@ COMMANDS = {
                  "--remeasure": {**FLAG, "help": "measure curve points again though this code measured them"}}),
     "tune": (cmd_tune, "tune tile configs per bucket (no curves)",
              "Run the Optuna studies only. --exhaustive measures every config instead (the yardstick); --record "
-             "FILE saves every measurement; --replay FILE runs the tuner on recorded measurements (no GPU needed).",
+             "FILE saves every measurement; --replay FILE runs the tuner on recorded measurements (no GPU needed). "
+             "--commit tunes the commit's launches instead of tree_verify's.",
              {**TUNING, "--exhaustive": {**FLAG, "help": "measure every config of the search space"},
               "--record": {"type": Path, "help": "write every measurement to this JSON file"},
               "--replay": {"type": Path, "help": "answer from a recording instead of the GPU"},
-              "--replay-delay": {"type": seconds, "default": 0.0, "help": "seconds each replayed measurement takes"}}),
+              "--replay-delay": {"type": seconds, "default": 0.0, "help": "seconds each replayed measurement takes"},
+              "--commit": {**FLAG, "help": "tune the commit (tree_commit, and tree_commit_layers over all of the "
+                                           "model's GDN layers) instead of tree_verify, in this process; --trials "
+                                           "counts commit trials (default 24, 12 with --quick)"}}),
     "show": (cmd_show, "render the tuning database the runtime reads (rich tables, or --json)",
              "The tuned configs, curves and budgets of one GPU, merged from the folders the runtime reads "
              "(bole_tune.database), or of one --file.",
@@ -338,6 +393,8 @@ COMMANDS = {
                 "--tree-size": {**POSITIVE, "required": True, "help": "nodes of the largest tree in the batch"},
                 "--batch": {**POSITIVE, "required": True, "help": "requests in the batch"}, "--tp": TP,
                 "--policy": {"choices": ["nearest", "strict", "default"], "help": "override BOLE_TUNE_LOOKUP"},
+                "--commit": {**FLAG, "help": "the commit's config (tree_commit / tree_commit_layers) instead"},
+                "--layers": {**POSITIVE, "help": "with --commit: layers one launch commits (default 1)"},
                 "--json": FLAG, "--db-dir": DB_DIR}),
     "env": (cmd_env, "fingerprint this machine's GPU (NVML matched by UUID / PCI bus id)",
             "What bole-tune records about this GPU (or the CPU): name, UUID, PCI bus id, compute capability, memory, "

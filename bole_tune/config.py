@@ -1,42 +1,38 @@
-"""Tile configurations of the Bole verifier and the rules that make one valid for a shape.
+"""Tile configurations of the Bole verifier and its commit, and the rules that make one valid for a shape.
 
-`KernelConfig`'s fields are the tuning knobs. The tuner, the search space, the worker job files,
-the database and the recordings all take the knobs from `KernelConfig.knobs()`, so adding one
-touches this class, ``profiles/search_space.yaml`` and the kernel only.
+`KernelConfig`'s fields are the tuning knobs of `tree_verify`, `CommitConfig`'s those of `tree_commit` and
+`tree_commit_layers`. The tuner, the search space, the worker job files, the database and the recordings all
+take the knobs from ``knobs()``, so adding one touches the class, ``profiles/search_space.yaml`` and the
+kernel only.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields
 
 from bole_tune.shapes import SUPPORTED_HEAD_DIMS
 
-__all__ = ["KernelConfig", "SUPPORTED_HEAD_DIMS", "default_config", "node_block"]
+__all__ = ["COMMIT_FALLBACK_PROGRAMS", "CommitConfig", "KernelConfig", "SUPPORTED_HEAD_DIMS", "default_commit_config",
+           "default_config", "node_block"]
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """One launch configuration of `tree_verify`.
+def _tile(owner: str, name: str, value, least: int = 16) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        raise ValueError(f"{owner}.{name}: expected a power of two >= {least}, got {value!r}")
 
-    b_k: width of the key-dimension chunks the state products walk (divides dk).
-    b_v: value columns per program (divides dv); a request's head runs ``dv / b_v`` programs.
-    num_warps, num_stages: Triton launch parameters.
-    """
 
-    b_k: int
-    b_v: int
-    num_warps: int = 4
-    num_stages: int = 2
+def _launch_knobs(owner: str, num_warps, num_stages) -> None:
+    if num_warps not in (1, 2, 4, 8, 16) or isinstance(num_warps, bool):
+        raise ValueError(f"{owner}.num_warps: expected one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"{owner}.num_stages: expected an int in 1..8, got {num_stages!r}")
 
-    def __post_init__(self):
-        for name in ("b_k", "b_v"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"KernelConfig.{name}: expected a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
-            raise ValueError(f"KernelConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"KernelConfig.num_stages: expected an int in 1..8, got {self.num_stages!r}")
+
+class _Knobs:
+    """What every tile config shares: its knobs by name, read from a mapping or a ``"a/b/c"`` text."""
+
+    REQUIRED: tuple[str, ...] = ()  # knobs without a default: from_dict needs them
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -44,20 +40,20 @@ class KernelConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KernelConfig":
+    def from_dict(cls, data: dict):
         """From ``{knob: value}``; an unknown or missing knob is a ValueError naming it."""
         if not isinstance(data, dict):
             raise ValueError(f"expected a mapping of {', '.join(cls.knobs())}, got {data!r}")
         unknown = sorted(set(data) - set(cls.knobs()))
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown knob (known: {', '.join(cls.knobs())})")
-        missing = [k for k in ("b_k", "b_v") if k not in data]
+        missing = [k for k in cls.REQUIRED if k not in data]
         if missing:
             raise ValueError(f"{missing[0]}: missing")
         return cls(**data)
 
     @classmethod
-    def from_text(cls, text: str) -> "KernelConfig":
+    def from_text(cls, text: str):
         """The inverse of `text` (``"64/32/4/2"``)."""
         parts = text.split("/")
         if len(parts) != len(cls.knobs()):
@@ -72,20 +68,109 @@ class KernelConfig:
         """The knob values joined by '/', in `knobs` order: how recordings and studies name a config."""
         return "/".join(str(getattr(self, k)) for k in self.knobs())
 
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KernelConfig(_Knobs):
+    """One launch configuration of `tree_verify`.
+
+    b_k: width of the key-dimension chunks the state products walk (divides dk).
+    b_v: value columns per program (divides dv); a request's head runs ``dv / b_v`` programs.
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    b_k: int
+    b_v: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    REQUIRED = ("b_k", "b_v")
+
+    def __post_init__(self):
+        for name in ("b_k", "b_v"):
+            _tile("KernelConfig", name, getattr(self, name))
+        _launch_knobs("KernelConfig", self.num_warps, self.num_stages)
+
     def fits(self, dk: int, dv: int) -> bool:
         """Whether the tiles divide the head dimensions."""
         return self.b_k <= dk and dk % self.b_k == 0 and self.b_v <= dv and dv % self.b_v == 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def __str__(self) -> str:
         return f"b_k={self.b_k} b_v={self.b_v} warps={self.num_warps} stages={self.num_stages}"
 
 
+@dataclass(frozen=True)
+class CommitConfig(_Knobs):
+    """One launch configuration of `tree_commit` and `tree_commit_layers` (docs/math.md §4).
+
+    Each program owns ``v_span`` rows and ``b_k`` columns of one head's state in one slot (and one layer)
+    and streams them in ``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in
+    flight; a launch has ``layers x requests x Hv x (dv / v_span) x (dk / b_k)`` programs.
+
+    b_k: state columns per program (divides dk). b_v: rows per streamed tile (divides v_span).
+    v_span: rows per program (divides dv). num_warps, num_stages: Triton launch parameters.
+    """
+
+    b_k: int
+    b_v: int
+    v_span: int
+    num_warps: int = 2
+    num_stages: int = 3
+
+    REQUIRED = ("b_k", "b_v", "v_span")
+
+    def __post_init__(self):
+        for name in ("b_k", "b_v", "v_span"):
+            _tile("CommitConfig", name, getattr(self, name))
+        if self.b_v > self.v_span:
+            raise ValueError(f"CommitConfig.b_v: expected at most v_span ({self.v_span}): a program streams its "
+                             f"v_span rows in tiles of b_v, got {self.b_v!r}")
+        _launch_knobs("CommitConfig", self.num_warps, self.num_stages)
+
+    def fits(self, dk: int, dv: int) -> bool:
+        """Whether the tiles divide the head dimensions (b_k divides dk, v_span divides dv)."""
+        return self.b_k <= dk and dk % self.b_k == 0 and self.v_span <= dv and dv % self.v_span == 0
+
+    def programs(self, dk: int, dv: int) -> int:
+        """Programs per (layer, request, value head): the tiles of one head's ``[dv, dk]`` state."""
+        return (dk // self.b_k) * (dv // self.v_span)
+
+    def __str__(self) -> str:
+        return (f"b_k={self.b_k} b_v={self.b_v} v_span={self.v_span} warps={self.num_warps} "
+                f"stages={self.num_stages}")
+
+
 def default_config(dk: int, dv: int) -> KernelConfig:
     """A sound configuration for any supported shape, used when nothing better is known."""
     return KernelConfig(b_k=min(64, dk), b_v=min(32, dv), num_warps=4, num_stages=2)
+
+
+COMMIT_FALLBACK_PROGRAMS = 264
+"""The untuned commit fallback's target: programs per launch below which it narrows the tiles (264 is two
+per SM of an H200, where fewer left the copy latency-bound: BENCHMARKS.md, "tree_commit")."""
+
+
+@functools.lru_cache(maxsize=4096)
+def default_commit_config(programs_per_tile: int, dk: int, dv: int) -> CommitConfig:
+    """The *untuned fallback* of the commit: what `tree_commit` / `tree_commit_layers` launch where the tuning
+    database has no entry for the shape (and off a GPU). Not a tuned value: a rule measured once on the H200.
+
+    ``programs_per_tile``: layers x requests x value heads of the launch. The widest tiles (columns ``b_k``
+    up to 128, rows per program ``v_span`` up to 128) that still give at least `COMMIT_FALLBACK_PROGRAMS`
+    programs, halving the span first (down to 16 rows), then the columns (down to 32); ``b_v`` 16, 2 warps,
+    3 stages.
+    """
+    b_k, v_span = min(128, dk), min(128, dv)
+    while programs_per_tile * (dk // b_k) * (dv // v_span) < COMMIT_FALLBACK_PROGRAMS:
+        if v_span > 16:
+            v_span //= 2
+        elif b_k > 32:
+            b_k //= 2
+        else:
+            break
+    return CommitConfig(b_k=b_k, b_v=min(16, v_span), v_span=v_span, num_warps=2, num_stages=3)
 
 
 def node_block(max_tree_size: int) -> int:

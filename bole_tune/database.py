@@ -24,6 +24,19 @@ Layout (schema version 1)::
           provenance}
     step_curves:                                           # whole verification step latency
       Qwen3.5-9B/bf16: {model, dtype, context, layers, points: [{batch, tree_size, step_us, ...}], provenance}
+    commit_configs:                                        # best tree_commit launch per bucket and layer count
+      Hv32-Hk16-dk128-dv128-bf16-T64-B16-L24:              # ShapeKey text + -L<layers one launch commits>
+        key: {hv, hk, dk, dv, dtype, tree_bucket, batch_bucket, tp, layers}
+        config: {b_k, b_v, v_span, num_warps, num_stages}  # the knobs of CommitConfig
+        latency_us: {p20, p50, p80}                        # per launch (all its layers)
+        default_config: {...}                              # the untuned fallback for this bucket
+        default_latency_us: {p20, p50, p80}
+        rel_error, trials, study, provenance               # as for configs
+
+The commit's entries are keyed by the verification bucket they commit and by ``layers``, the GDN layers one
+launch commits: 1 for `tree_commit` (one layer), L for `tree_commit_layers` over L stacked layers, which has
+L times the programs of the one-layer launch and is tuned as a launch of its own (`bole_tune.lookup`
+takes the nearest tuned launch by programs where the exact one is missing).
 
 **Where the database is read from** (`search_directories`, one rule for the runtime lookup, `get_budget`
 and every command): the folder given (``--db-dir``) or ``$BOLE_TUNE_DB`` alone, if set; else the user's
@@ -66,13 +79,13 @@ import yaml
 from filelock import FileLock
 
 from bole_tune.atomic import write_target, write_text_atomic
-from bole_tune.config import KernelConfig
+from bole_tune.config import CommitConfig, KernelConfig
 from bole_tune.fingerprint import check_slug
 from bole_tune.shapes import BATCH_BUCKETS, DTYPES, TREE_BUCKETS, HeadShape, batch_bucket, dtype_name, tree_bucket
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-SECTIONS = ("configs", "curves", "budgets", "step_curves")
+SECTIONS = ("configs", "curves", "budgets", "step_curves", "commit_configs")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning_db"
 if not SHIPPED_DIR.is_dir():  # installed layout: tuning_db/ is the package bole_tune.tuning_db
     SHIPPED_DIR = Path(__file__).resolve().parent / "tuning_db"
@@ -141,6 +154,54 @@ class ShapeKey:
         except ValueError as error:
             field_error = str(error).split(".", 1)[1]  # "ShapeKey.dtype: ..." -> "dtype: ..."
             raise DatabaseError(f"{where}.{field_error}") from None
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class CommitKey:
+    """What a tuned commit config is keyed by: the bucket of the verification it commits (`ShapeKey`) and
+    ``layers``, the GDN layers one launch commits (1: `tree_commit`; L: `tree_commit_layers` over L layers,
+    a launch of L times the programs). Text: the shape's, then ``-L<layers>``."""
+
+    shape: ShapeKey
+    layers: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.shape, ShapeKey):
+            raise ValueError(f"CommitKey.shape: expected a ShapeKey, got {self.shape!r}")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers <= 0:
+            raise ValueError(f"CommitKey.layers: expected a positive int, got {self.layers!r}")
+
+    @classmethod
+    def bucketed(cls, heads: HeadShape, dtype, tree_size: int, batch: int, layers: int = 1,
+                 tp: int = 1) -> "CommitKey":
+        """The key of a commit launch: sizes put in their buckets, ``layers`` as it is."""
+        return cls(shape=ShapeKey.bucketed(heads, dtype, tree_size, batch, tp), layers=layers)
+
+    # the shape's fields, so the tuner and the search space read a commit key as they read a shape key
+    heads = property(lambda self: self.shape.heads)
+    dtype = property(lambda self: self.shape.dtype)
+    tree_bucket = property(lambda self: self.shape.tree_bucket)
+    batch_bucket = property(lambda self: self.shape.batch_bucket)
+    tp = property(lambda self: self.shape.tp)
+
+    @property
+    def programs_per_tile(self) -> int:
+        """Layers x requests (the bucket) x value heads: what one launch's program count scales with."""
+        return self.layers * self.shape.batch_bucket * self.shape.heads.hv
+
+    @property
+    def text(self) -> str:
+        return f"{self.shape.text}-L{self.layers}"
+
+    def as_dict(self) -> dict:
+        return {**self.shape.as_dict(), "layers": self.layers}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "key") -> "CommitKey":
+        if not isinstance(data, dict):
+            raise DatabaseError(f"{where}: expected a mapping, got {data!r}")
+        layers = _positive_int(data.get("layers"), f"{where}.layers")
+        return cls(shape=ShapeKey.from_dict({k: v for k, v in data.items() if k != "layers"}, where), layers=layers)
 
 
 def default_directory() -> Path:
@@ -230,6 +291,13 @@ def _config(value, where: str) -> KernelConfig:
         raise DatabaseError(f"{where}.{error}") from None
 
 
+def _commit_config(value, where: str) -> CommitConfig:
+    try:
+        return CommitConfig.from_dict(_mapping(value, where))
+    except (TypeError, ValueError) as error:
+        raise DatabaseError(f"{where}.{error}") from None
+
+
 def _batch_key(value, where: str) -> int:
     """A batch size used as a mapping key: an int, or the int's text (JSON round trips make keys strings)."""
     if isinstance(value, str) and value.isdigit():
@@ -252,6 +320,26 @@ def _config_entry(name: str, entry, w: str) -> None:
     if "default_config" in entry:
         _config(entry["default_config"], f"{w}.default_config")
         _latency(entry.get("default_latency_us"), f"{w}.default_latency_us")
+    _mapping(entry.get("provenance"), f"{w}.provenance")
+    _mapping(entry.get("trials", {}), f"{w}.trials")
+
+
+def _commit_entry(name: str, entry, w: str) -> None:
+    """What `bole_tune.lookup.decide_commit` reads of a commit entry (and what the tuner writes)."""
+    entry = _mapping(entry, w)
+    key = CommitKey.from_dict(entry.get("key"), f"{w}.key")
+    if key.text != name:
+        raise DatabaseError(f"{w}.key: describes {key.text}, not {name}")
+    config = _commit_config(entry.get("config"), f"{w}.config")
+    if not config.fits(key.heads.dk, key.heads.dv):
+        raise DatabaseError(f"{w}.config: tiles b_k={config.b_k}, v_span={config.v_span} do not divide "
+                            f"dk={key.heads.dk}, dv={key.heads.dv}")
+    _latency(entry.get("latency_us"), f"{w}.latency_us")
+    if "default_config" in entry:
+        _commit_config(entry["default_config"], f"{w}.default_config")
+        _latency(entry.get("default_latency_us"), f"{w}.default_latency_us")
+    if "rel_error" in entry and entry["rel_error"] is not None:
+        _number(entry["rel_error"], f"{w}.rel_error", positive=False)
     _mapping(entry.get("provenance"), f"{w}.provenance")
     _mapping(entry.get("trials", {}), f"{w}.trials")
 
@@ -444,7 +532,7 @@ def _budget(name: str, budget, w: str) -> None:
 
 
 _SECTION_CHECKS = {"curves": lambda name, entry, w: _curve(entry, w), "configs": _config_entry,
-                   "budgets": _budget,
+                   "commit_configs": _commit_entry, "budgets": _budget,
                    "step_curves": lambda name, entry, w: _step_curve(entry, w)}
 
 
@@ -708,7 +796,7 @@ def merge_points(old: dict | None, new: dict, identity=POINT_IDENTITY["curves"])
 def update(path, device: dict | None = None, replace_corrupt: bool = False, **sections) -> dict:
     """Merge entries into the database at ``path`` (created if missing); returns the merged data.
 
-    ``sections``: any of configs, curves, budgets, step_curves, each a mapping name -> entry.
+    ``sections``: any of configs, curves, budgets, step_curves, commit_configs, each a mapping name -> entry.
     One rule: an entry replaces the one of the same name (a config is one bucket's winner, a budget one
     choice), except in the sections of measured points (curves, step curves: `POINT_IDENTITY`), whose
     points are merged by (batch, tree size) (`merge_points`); nothing else is dropped. A corrupt file is copied to a backup and the update refused, unless

@@ -1,6 +1,8 @@
-"""Runtime choice of the verifier's tile configuration from the tuning database.
+"""Runtime choice of the verifier's and the commit's tile configurations from the tuning database.
 
-The kernels' launch planner asks `tuned_launch` for ``tree_verify(config=None)``. The policy comes from
+The kernels' launch planner asks `tuned_launch` for ``tree_verify(config=None)``; the commit asks
+`tuned_commit` for ``tree_commit(config=None)`` and ``tree_commit_layers(config=None)`` (section
+``commit_configs``, keyed by bucket and by the layers one launch commits). The policy comes from
 ``BOLE_TUNE_LOOKUP``:
 
 - ``nearest`` (default): the exact shape bucket; else the nearest bucket of the same head shape
@@ -14,6 +16,13 @@ The database is read as `bole_tune.database.search` reads it (``BOLE_TUNE_DB`` a
 user's folder and then the shipped ``tuning_db/``; user entries win). A database written under another
 Triton version is used, with one warning. Decisions are cached per (device, shape bucket): after the
 first call a lookup is one dictionary access.
+
+**The commit** follows the same policies, with one difference: where nothing is tuned for its bucket it takes
+the nearest tuned launch of the same heads and dtype (by programs: layers x batch, and by tree bucket), else
+the untuned fallback `bole_tune.config.default_commit_config` (the rule the commit shipped with before it
+was tuned), *silently*: the fallback is a sound launch, not a degraded mode, and a database tuned before
+commits were tuned (the shipped one until the H200 is profiled again) must not warn on every new shape.
+``bole-tune lookup --commit`` says which it took and why.
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ import torch
 import triton
 
 from bole_tune import database
-from bole_tune.config import KernelConfig, default_config
-from bole_tune.database import DatabaseError, ShapeKey
+from bole_tune.config import CommitConfig, KernelConfig, default_commit_config, default_config
+from bole_tune.database import CommitKey, DatabaseError, ShapeKey
 from bole_tune.fingerprint import fingerprint
 from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, tree_bucket
 
@@ -115,6 +124,7 @@ _slugs: dict = {}
 def clear_cache() -> None:
     """Forget cached decisions and parsed database files (after the database or the environment changed)."""
     _cache.clear()
+    _commit_cache.clear()
     _warned.clear()
     _slugs.clear()
     database.clear_cache()
@@ -167,7 +177,7 @@ def _warn_once(decision: Decision, slug: str) -> None:
     _check_triton_version(decision)
 
 
-def _check_triton_version(decision: Decision) -> None:
+def _check_triton_version(decision, section: str = "configs") -> None:
     if not decision.source:
         return
     token = ("triton", decision.source)
@@ -175,7 +185,7 @@ def _check_triton_version(decision: Decision) -> None:
         return
     _warned.add(token)
     try:
-        entries = database.load(decision.source)["configs"]
+        entries = database.load(decision.source)[section]
     except DatabaseError:
         return
     entry = entries.get(decision.key.text) or next(iter(entries.values()), {})
@@ -183,6 +193,120 @@ def _check_triton_version(decision: Decision) -> None:
     if made_with and made_with != triton.__version__:
         warnings.warn(f"bole-tune: {decision.source} was tuned with triton {made_with}, this is triton "
                       f"{triton.__version__}; its configs are used but may no longer be the fastest", stacklevel=5)
+
+
+# ---- the commit ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CommitDecision:
+    """What the runtime picked for a commit launch and why (``how``: "exact", "nearest", "default")."""
+
+    config: CommitConfig
+    how: str
+    reason: str
+    key: CommitKey
+    source: str = ""  # the database file of the entry used
+    latency_us: float | None = None  # the entry's tuned p50 (per launch)
+
+
+def decide_commit(key: CommitKey, slug: str, mode: str | None = None, directory=None,
+                  num_requests: int | None = None) -> CommitDecision:
+    """Pick a commit config for ``key`` on the GPU model ``slug`` (no caching; see `tuned_commit`).
+
+    ``mode``: one of `POLICIES` (default: `policy`); ``strict`` raises `LookupError` without an exact entry.
+    ``directory``: read that database folder alone. ``num_requests``: the launch's real request count, which
+    sizes the untuned fallback (default: the bucket's).
+    """
+    mode = mode or policy()
+    if mode not in POLICIES:
+        raise ValueError(f"mode: unknown lookup policy {mode!r} (expected one of {', '.join(POLICIES)})")
+    h = key.heads
+    fallback = default_commit_config(key.layers * (num_requests or key.batch_bucket) * h.hv, h.dk, h.dv)
+    if mode == "default":
+        return CommitDecision(fallback, "default", "BOLE_TUNE_LOOKUP=default: the untuned fallback", key)
+    found = database.search(slug, directory)
+    tuned = [(CommitKey.from_dict(entry["key"]), name, entry)
+             for name, entry in found.entries("commit_configs").items()]
+    same = [t for t in tuned if (t[0].shape.heads, t[0].dtype, t[0].tree_bucket, t[0].batch_bucket, t[0].layers)
+            == (h, key.dtype, key.tree_bucket, key.batch_bucket, key.layers)]
+    if same:
+        other, name, entry = next((s for s in same if s[0].tp == key.tp), same[0])
+        return _commit_from_entry(entry, found.source("commit_configs", name), key, "exact",
+                                  f"tuned for this bucket ({found.where})")
+    if mode == "strict":
+        raise LookupError(f"BOLE_TUNE_LOOKUP=strict: no tuned commit config for {key.text} on {slug} ({found.where})")
+    candidates = []
+    for other, name, entry in tuned:
+        if (other.heads, other.dtype) != (h, key.dtype):
+            continue
+        if not CommitConfig.from_dict(entry["config"]).fits(h.dk, h.dv):
+            continue
+        # a launch's cost follows its programs (layers x requests x heads) and, a little, the tree it gathers from
+        distance = (abs(math.log2(other.programs_per_tile / key.programs_per_tile))
+                    + abs(math.log2(other.tree_bucket / key.tree_bucket)))
+        candidates.append((distance, other.layers != key.layers, -other.tree_bucket, -other.programs_per_tile,
+                           other, name, entry))
+    if candidates:
+        candidates.sort(key=lambda c: c[:4])
+        other, name, entry = candidates[0][4:]
+        reason = (f"nearest tuned launch: {other.layers} layer{'s' if other.layers > 1 else ''}, batch "
+                  f"{other.batch_bucket}, {other.tree_bucket} nodes ({found.where})")
+        return _commit_from_entry(entry, found.source("commit_configs", name), key, "nearest", reason)
+    return CommitDecision(fallback, "default", f"the untuned fallback: no commit config tuned for these heads on "
+                                               f"{slug} ({found.where})", key)
+
+
+def _commit_from_entry(entry: dict, source, key: CommitKey, how: str, reason: str) -> CommitDecision:
+    return CommitDecision(CommitConfig.from_dict(entry["config"]), how, reason, key, source=str(source),
+                          latency_us=entry["latency_us"]["p50"])
+
+
+_commit_cache: dict = {}
+
+
+def tuned_commit(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, max_tree_size: int, num_requests: int,
+                 layers: int, device: torch.device) -> CommitConfig:
+    """The config of ``tree_commit(config=None)`` (``layers`` 1) and ``tree_commit_layers(config=None)`` (the
+    layers it commits): the commit config source of ``bole_tune.kernels`` (`DEFAULT_COMMIT_CONFIG_SOURCE`).
+
+    Cached per device and launch (one dictionary access after the first call); off a CUDA device, the untuned
+    fallback. An unreadable database gives the fallback (``strict``: raises), as `tuned_launch` does.
+    """
+    cache_key = (device.index, hk, hv, dk, dv, dtype, max_tree_size, num_requests, layers)
+    config = _commit_cache.get(cache_key)
+    if config is not None:
+        return config
+    if device.type != "cuda":
+        config = default_commit_config(layers * num_requests * hv, dk, dv)
+    else:
+        heads = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
+        key = CommitKey.bucketed(heads, dtype_name(dtype), max_tree_size, num_requests, layers)
+        mode = policy()
+        slug = _device_slug(device)
+        try:
+            decision = decide_commit(key, slug, mode, num_requests=num_requests)
+        except DatabaseError as error:
+            if mode == "strict":
+                raise
+            decision = CommitDecision(default_commit_config(layers * num_requests * hv, dk, dv), "default",
+                                      f"unreadable database: {error}", key)
+        _check_triton_version(decision, "commit_configs")
+        config = decision.config
+    _commit_cache[cache_key] = config
+    return config
+
+
+def commit_lookup_cost_ns(device=None, repeats: int = 200_000) -> float:
+    """Nanoseconds per `tuned_commit` call once cached (what ``tree_commit(config=None)`` adds per call)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    args = (16, 32, 128, 128, torch.bfloat16, 64, 16, 1, device)
+    tuned_commit(*args)
+    start = time.perf_counter_ns()
+    for _ in range(repeats):
+        tuned_commit(*args)
+    return (time.perf_counter_ns() - start) / repeats
 
 
 def lookup_cost_ns(device=None, repeats: int = 200_000) -> float:

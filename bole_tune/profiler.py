@@ -2,9 +2,15 @@
 
 For each model's GDN shape the job (1) tunes the chosen (tree bucket, batch bucket) grid with
 Optuna, neighbours warm-starting each other, writing each bucket's winner to the database as soon as
-it is known (an interrupted run loses nothing and resumes from the Optuna storage), then (2) measures
-per-layer latency against tree size and batch for tree_verify with the tuned config and with the
-default, serial_verify and tree_commit, stored as curves with provenance.
+it is known (an interrupted run loses nothing and resumes from the Optuna storage); (2) tunes the commit
+(`tune_commits`) on the same grid, twice per bucket: the one-layer launch (`tree_commit`) and the launch
+that commits all of the model's GDN layers at once (`tree_commit_layers`), in this process, each candidate
+checked against `commit_closed_form` first; then (3) measures per-layer latency against tree size and
+batch for tree_verify with the tuned config and with the default, serial_verify, tree_commit, and a
+layer's round (`round_verify_commit`: the tuned tree_verify then the tuned tree_commit, timed together;
+`round_serial`: serial_verify then a copy of one state per request, a snapshot engine's commit), stored as
+curves with provenance. What the budget reads is `bole-tune step`'s step curve, whose GDN part is already a
+whole round (conv, gates, verify and the commit with ``config=None``, the tuned one).
 
 **Resume.** Curve points are written as they are measured (at least every `FLUSH_SECONDS`, and at the end
 of each model), and a point the database already holds, measured by the same code (`code_version`,
@@ -37,21 +43,26 @@ import torch
 
 from bole_tune import database
 from bole_tune.bench import BenchCase, CaseBench, environment
-from bole_tune.config import KernelConfig, default_config
-from bole_tune.database import ShapeKey
-from bole_tune.kernels import PLANNER, serial_verify, tree_verify
-from bole_tune.lookup import decide
+from bole_tune.config import CommitConfig, KernelConfig, default_config
+from bole_tune.database import CommitKey, ShapeKey
+from bole_tune.kernels import PLANNER, serial_verify, tree_commit, tree_verify
+from bole_tune.lookup import decide, decide_commit
 from bole_tune.precompile import precompile
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.runners import GPURunner, Measurement, RecordingIncomplete, ReplayRunner
 from bole_tune.search_space import SearchSpace, feasible
 from bole_tune.shapes import BATCH_BUCKETS, TREE_BUCKETS, torch_dtype
+from bole_tune.timing import Timing, time_launches
 from bole_tune.tuner import (FINISHED, TuneResult, default_storage, exhaustive_bucket, load_result, open_storage,
-                             study_name, warm_starts)
-from bole_tune.workers import EXIT_RECORDING_INCOMPLETE, Job, run_workers, visible_devices
+                             study_name, tune_bucket_buffered, warm_starts)
+from bole_tune.workers import EXIT_RECORDING_INCOMPLETE, Job, make_sampler, run_workers, visible_devices
 
 QUICK_BATCHES = (1, 4, 16)
 QUICK_TREE_SIZES = (16, 64, 128)
+QUICK_COMMIT_BATCHES = BATCH_BUCKETS  # `tune --commit --quick` covers every batch bucket (1..32) ...
+QUICK_COMMIT_TREE_SIZES = (8, 16, 32, 64)  # ... and the tree buckets engines draft (up to 64 nodes)
+QUICK_COMMIT_TRIALS = 12
+COMMIT_TRIALS = 24
 CPU_CURVE_BATCHES = (1, 2)  # the CPU fallback's curves, when none are asked for: seconds, not hours
 CPU_CURVE_TREE_SIZES = (8, 16)
 FLUSH_SECONDS = 30.0  # curve points are written at least this often: a killed run loses at most this much work
@@ -64,6 +75,8 @@ class ProfilePlan:
 
     curve_batches, curve_tree_sizes: None measures the tuned grid on a GPU and `CPU_CURVE_BATCHES` x
     `CPU_CURVE_TREE_SIZES` on the CPU fallback.
+    commit_batches, commit_tree_sizes, commit_trials: the commit's tuning grid (None: the tuned grid) and
+    trials per commit study; each bucket is tuned for the one-layer launch and the all-layer launch.
     """
 
     models: list[ModelProfile]
@@ -77,6 +90,13 @@ class ProfilePlan:
     repeats: int = 30
     serial: bool = True
     seed: int = 0
+    commit_batches: tuple | None = None
+    commit_tree_sizes: tuple | None = None
+    commit_trials: int = COMMIT_TRIALS
+
+    def commit_grid(self) -> tuple[tuple, tuple]:
+        """(batches, tree sizes) the commit is tuned at."""
+        return self.commit_batches or self.tune_batches, self.commit_tree_sizes or self.tune_tree_sizes
 
     def curve_grid(self, on_gpu: bool) -> tuple[tuple, tuple]:
         """(batches, tree sizes) of the latency curves."""
@@ -87,18 +107,27 @@ class ProfilePlan:
 
 def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False, batches=None, tree_sizes=None,
               trials: int | None = None, repeats: int = 30, curve_batches=None, curve_tree_sizes=None,
-              serial: bool = True) -> ProfilePlan:
+              serial: bool = True, commit: bool = False) -> ProfilePlan:
     """A checked plan from a user's choices (`DEFAULT_MODELS` when ``models`` is None; ``quick``: the small
-    grid and 16 trials). A bad choice raises ValueError (or `ProfileError` for a model) naming it."""
+    grid, 16 trials, and 12 per commit study). ``commit``: the plan of a commit-only tuning (``tune --commit``:
+    ``--trials`` counts commit trials, and ``quick`` tunes the commit at every batch bucket and trees up to 64
+    nodes, `QUICK_COMMIT_BATCHES` x `QUICK_COMMIT_TREE_SIZES`). A bad choice raises ValueError (or
+    `ProfileError` for a model) naming it."""
     profiles = [resolve_model(m) if isinstance(m, str) else m for m in (models or DEFAULT_MODELS)]
     for model in profiles:
         model.heads(tp)
-    trials = trials if trials is not None else (16 if quick else 32)
-    if trials < 1:
+    if trials is not None and trials < 1:
         raise ValueError("--trials: must be at least 1")
+    commit_trials = (trials if commit and trials is not None
+                     else QUICK_COMMIT_TRIALS if quick else COMMIT_TRIALS)
+    trials = trials if trials is not None else (16 if quick else 32)
     if repeats < 3:
         raise ValueError("--repeats: must be at least 3")
     return ProfilePlan(models=profiles, dtype=dtype, tp=tp,
+                       commit_batches=tuple(batches or (QUICK_COMMIT_BATCHES if quick and commit else ())) or None,
+                       commit_tree_sizes=tuple(tree_sizes or (QUICK_COMMIT_TREE_SIZES if quick and commit else ()))
+                       or None,
+                       commit_trials=commit_trials,
                        tune_batches=tuple(batches or (QUICK_BATCHES if quick else BATCH_BUCKETS)),
                        tune_tree_sizes=tuple(tree_sizes or (QUICK_TREE_SIZES if quick else TREE_BUCKETS)),
                        curve_batches=tuple(curve_batches or batches or ()) or None,
@@ -110,7 +139,7 @@ def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False
 class Progress:
     """A progress report: ``done`` of ``total`` (None: not known yet) in ``stage``, on ``label``."""
 
-    stage: str  # "compiling", "tuning", "exhaustive", "curves"
+    stage: str  # "compiling", "tuning", "tuning commits", "exhaustive", "curves"
     done: int
     total: int | None
     label: str = ""
@@ -125,6 +154,7 @@ class ProfileResult:
     path: Path
     on_gpu: bool
     tuned: list[TuneResult] = field(default_factory=list)
+    commit_tuned: list[TuneResult] = field(default_factory=list)
     curve_rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -134,10 +164,10 @@ def code_version() -> str:
     """bole-tune's version and a digest of the sources that run and time the kernels (the kernels package,
     the bench, timing, workload, tree, config and shape modules): what says two measurements ran the same
     code. An edit elsewhere (the command line, the database) does not make finished points stale."""
-    from bole_tune import __version__, bench, config, kernels, shapes, timing, tree, workloads
+    from bole_tune import __version__, bench, commit_bench, config, kernels, shapes, timing, tree, workloads
 
     sources = sorted(Path(kernels.__file__).parent.rglob("*.py"))
-    sources += [Path(module.__file__) for module in (bench, config, shapes, timing, tree, workloads)]
+    sources += [Path(module.__file__) for module in (bench, commit_bench, config, shapes, timing, tree, workloads)]
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
@@ -165,6 +195,19 @@ def config_entry(result: TuneResult, fp) -> dict:
     k = result.key
     entry = {"key": k.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
              "kernel": PLANNER.policy.variant(k.batch_bucket, k.heads.hv, k.tree_bucket),
+             "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
+    if result.default_measurement and result.default_measurement.status == "ok":
+        entry["default_config"] = result.default.as_dict()
+        entry["default_latency_us"] = _latency(result.default_measurement)
+        entry["speedup_vs_default"] = round(result.speedup, 3)
+    entry["provenance"] = provenance(fp, m.method, {"workers": result.workers} if result.workers else None)
+    return entry
+
+
+def commit_entry(result: TuneResult, fp) -> dict:
+    """The database entry (``commit_configs``) of a commit study's winner."""
+    best, m = result.best, result.best_measurement
+    entry = {"key": result.key.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
              "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
     if result.default_measurement and result.default_measurement.status == "ok":
         entry["default_config"] = result.default.as_dict()
@@ -330,9 +373,110 @@ def tune(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage: str | 
     return result
 
 
+def tune_commits(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage: str | None = None,
+                 fp=None, progress: Callable | None = None, compile_ahead: bool = True,
+                 sampler: str = "tpe") -> list[TuneResult]:
+    """Tune the commit launch of every bucket of ``plan``'s commit grid (`ProfilePlan.commit_grid`), for one
+    layer and for all of each model's GDN layers at once (`plan_commit_keys`), in this process: one Optuna
+    study per key in ``storage`` (resumed if it holds trials), each candidate checked against
+    `commit_closed_form` by ``runner`` before it is timed (a wrong one is recorded as such and never chosen).
+    Each study runs in memory and is written to the storage when done (`tune_bucket_buffered`: SQLite's round
+    trips would cost more than the measurements); a finished study is never run again. Winners are written to
+    ``db_path``'s ``commit_configs`` at least every `FLUSH_SECONDS` and at the end.
+
+    Commit studies take seconds each (one small kernel, no worker processes needed); on a GPU the
+    candidates are compiled first in parallel processes (`bole_tune.commit_bench.precompile_commits`).
+    """
+    from bole_tune.commit_bench import precompile_commits
+
+    if space.kind != "commit":
+        raise ValueError(f"space: the commit is tuned over the commit search space, got the {space.kind} one")
+    fp = fp or runner.fingerprint()
+    keys = plan_commit_keys(plan)
+    storage_url = open_storage_url(storage)
+    store = open_storage(storage_url)
+    limit = fp.facts.get("max_shared_memory_per_block_bytes")
+    if compile_ahead and isinstance(getattr(runner, "inner", runner), GPURunner) and fp.kind == "gpu":
+        done = [0]
+
+        def compiled(total):
+            done[0] += 1
+            if progress:
+                progress(Progress("compiling", done[0], total, "commit candidates in parallel"))
+
+        configs = [c for c in space.configs() if any(feasible(c, k.heads.dk, k.heads.dv, k.tree_bucket, k.dtype,
+                                                              limit)[0] for k in keys)]
+        precompile_commits(keys, configs, progress=compiled)
+    existing = _existing_commit_configs(db_path)
+    tuned: dict = {}
+    results, pending = [], {}
+    last_write = time.monotonic()
+    total = len(keys) * plan.commit_trials
+
+    def write():
+        if pending:
+            database.update(db_path, device=fp.as_dict(), commit_configs=dict(pending))
+            pending.clear()
+
+    try:
+        for index, key in enumerate(keys):
+            if progress:
+                progress(Progress("tuning commits", index * plan.commit_trials, total, key.text))
+            known = {**existing, **tuned}
+            result = tune_bucket_buffered(runner, key, space, store, plan.commit_trials, fp.slug,
+                                          warm_start=warm_starts(key, known), shared_memory_limit=limit,
+                                          sampler=make_sampler(sampler, plan.seed, space))
+            results.append(result)
+            if result.best is not None:
+                tuned[key.text] = (key, result.best)
+                pending[key.text] = commit_entry(result, fp)
+            if time.monotonic() - last_write >= FLUSH_SECONDS:
+                write()
+                last_write = time.monotonic()
+    finally:  # what finished is written even when a candidate took the GPU down (DeviceLost) or on Ctrl-C
+        write()
+    if progress:
+        progress(Progress("tuning commits", total, total))
+    return results
+
+
+def tune_commit(plan: ProfilePlan, runner, db_path, storage: str | None = None, replace_corrupt: bool = False,
+                space: SearchSpace | None = None, sampler: str = "tpe",
+                progress: Callable | None = None) -> ProfileResult:
+    """`bole-tune tune --commit`: `tune_commits` alone, with ``runner`` (a `GPURunner`, or a `ReplayRunner` of a
+    commit recording), written to ``db_path`` (a corrupt file there raises `DatabaseError` first, unless
+    ``replace_corrupt``)."""
+    space = space or SearchSpace.load(kind="commit")
+    storage = open_storage_url(storage)
+    fp = runner.fingerprint()
+    result = ProfileResult(fp.slug, fp.name, Path(db_path), on_gpu=fp.kind == "gpu")
+    note = database.prepare(db_path, replace_corrupt)
+    if note:
+        result.notes.append(note)
+    result.notes.append(f"commit tuned in this process on {storage}")
+    result.commit_tuned = tune_commits(plan, runner, space, db_path, storage, fp, progress, sampler=sampler)
+    return result
+
+
 def exhaustive(plan: ProfilePlan, runner, space: SearchSpace, progress: Callable | None = None) -> dict:
     """Measure every config of ``space`` on every bucket of ``plan`` (the tuner's yardstick): key text ->
-    config text -> `Measurement`. Nothing is written to the database."""
+    config text -> `Measurement`. Nothing is written to the database. A commit space measures the commit
+    keys (`plan_commit_keys`)."""
+    if space.kind == "commit":
+        from bole_tune.commit_bench import precompile_commits
+
+        keys = plan_commit_keys(plan)
+        if isinstance(getattr(runner, "inner", runner), GPURunner) and runner.fingerprint().kind == "gpu":
+            precompile_commits(keys, space.configs())
+        total, done, found = len(keys) * len(space.configs()), [0], {}
+        for key in keys:
+            def measured_commit(config, m, key=key):
+                done[0] += 1
+                if progress:
+                    progress(Progress("exhaustive", done[0], total, key.text))
+
+            found[key.text] = exhaustive_bucket(runner, key, space, on_trial=measured_commit)
+        return found
     keys = plan_keys(plan)
     precompile_candidates(runner, keys, space, progress)
     total, done, found = len(keys) * len(space.configs()), [0], {}
@@ -349,8 +493,10 @@ def exhaustive(plan: ProfilePlan, runner, space: SearchSpace, progress: Callable
 
 def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers: int | None = None,
             sampler: str = "tpe", replace_corrupt: bool = False, space: SearchSpace | None = None,
-            progress: Callable | None = None, remeasure: bool = False) -> ProfileResult:
-    """The main job: tune every bucket of ``plan`` on this machine's GPU and measure the latency curves,
+            progress: Callable | None = None, remeasure: bool = False,
+            commit_space: SearchSpace | None = None) -> ProfileResult:
+    """The main job: tune every bucket of ``plan`` on this machine's GPU (tree_verify's tiles with worker
+    processes, then the commit's, `tune_commits`) and measure the latency curves,
     written to ``<db_dir>/<gpu>.yaml`` (`bole_tune.database.database_path`) as they are measured. Curve
     points the database holds, measured alike, are kept, not measured again (`measure_curves`), unless
     ``remeasure``.
@@ -365,6 +511,8 @@ def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers:
     db_path = database.database_path(fp.slug, db_dir)
     if fp.kind == "gpu":
         result = tune(plan, runner, space, db_path, storage, workers, sampler, replace_corrupt, progress)
+        result.commit_tuned = tune_commits(plan, runner, commit_space or SearchSpace.load(kind="commit"), db_path,
+                                           storage, fp, progress, sampler=sampler)
     else:
         result = ProfileResult(fp.slug, fp.name, db_path, on_gpu=False)
         note = database.prepare(db_path, replace_corrupt)
@@ -398,6 +546,31 @@ def _existing_configs(db_path) -> dict:
         return {}
     return {name: (ShapeKey.from_dict(e["key"]), KernelConfig.from_dict(e["config"]))
             for name, e in data["configs"].items()}
+
+
+def _existing_commit_configs(db_path) -> dict:
+    try:
+        data = database.load(db_path)
+    except database.DatabaseError:
+        return {}
+    return {name: (CommitKey.from_dict(e["key"]), CommitConfig.from_dict(e["config"]))
+            for name, e in data["commit_configs"].items()}
+
+
+def plan_commit_keys(plan: ProfilePlan) -> list[CommitKey]:
+    """The commit launches tuned: every bucket of `ProfilePlan.commit_grid`, for one layer (`tree_commit`) and
+    for all of the model's GDN layers in one launch (`tree_commit_layers`), models in order."""
+    keys = []
+    batches, sizes = plan.commit_grid()
+    for model in plan.models:
+        heads = model.heads(plan.tp)
+        for layers in dict.fromkeys((1, model.num_gdn_layers)):
+            for size in sizes:
+                for batch in batches:
+                    key = CommitKey.bucketed(heads, plan.dtype, size, batch, layers, plan.tp)
+                    if key not in keys:
+                        keys.append(key)
+    return keys
 
 
 def plan_keys(plan: ProfilePlan) -> list[ShapeKey]:
@@ -450,20 +623,83 @@ def measured_points(db_path, names: dict, shape: dict, run: dict) -> dict:
     return found
 
 
+ROUND_KERNELS = ("round_verify_commit", "round_serial", "round_verify_commit_cpu_fallback")
+"""The round curves: a layer's verify plus commit, timed together (the tuned launches; the serial engine's
+verify and its snapshot copy; on a CPU the fallback's)."""
+
+
+def time_commit(bench: CaseBench, config: CommitConfig | None, repeats: int, most_sets: int = 64) -> Timing:
+    """`tree_commit` of each request's deepest node with ``config`` (as `CaseBench.time_commit`, which takes the
+    runtime's lookup): every timed launch commits a fresh result."""
+    tree, pool, inputs, slots = bench.sets(most_sets)
+    results = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+               for i, x in enumerate(inputs)]
+    accepted = bench.deepest(tree)
+
+    def launch(i):
+        results[i].committed.zero_()
+        tree_commit(pool, slots[i], results[i], accepted, validate=False, config=config)
+
+    return time_launches(launch, len(inputs), bench.device, repeats=repeats)
+
+
+def time_round(bench: CaseBench, launch, config: CommitConfig | None, repeats: int, most_sets: int = 64) -> Timing:
+    """One layer's round: `tree_verify` with ``launch`` then `tree_commit` of each request's deepest node with
+    ``config``, timed together in one launch function (as `bole-tune bench`'s ``round_verify_commit`` row; the
+    verify marks its result uncommitted, so every replay commits)."""
+    launch = launch or bench.launch()
+    tree, pool, inputs, slots = bench.sets(most_sets)
+    accepted = bench.deepest(tree)
+    outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, launch=launch)
+            for i, x in enumerate(inputs)]
+
+    def round_(i):
+        x = inputs[i]
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, launch=launch, out=outs[i])
+        tree_commit(pool, slots[i], res, accepted, validate=False, config=config)
+
+    return time_launches(round_, len(inputs), bench.device, repeats=repeats)
+
+
+def time_serial_round(bench: CaseBench, repeats: int) -> Timing:
+    """The serial engine's round: `serial_verify` then a copy of one state per request into its slot (what a
+    snapshot engine's commit is: the accepted node's snapshot copied over the slot)."""
+    tree, pool, inputs, slots = bench.sets(2)
+    snapshot = torch.zeros_like(pool[:bench.case.batch])
+
+    def serial(i):
+        x = inputs[i]
+        serial_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+        pool.index_copy_(0, slots[i].long(), snapshot)
+
+    return time_launches(serial, len(inputs), bench.device, repeats=repeats)
+
+
+def curve_kernels(on_gpu: bool, serial: bool = True) -> list[str]:
+    """The curves `measure_curves` writes, in order."""
+    if not on_gpu:
+        return ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback", "round_verify_commit_cpu_fallback"]
+    kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit", "round_verify_commit",
+               "round_serial"]
+    return kernels if serial else [k for k in kernels if k not in ("serial_verify", "round_serial")]
+
+
 def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                    progress: Callable | None = None, remeasure: bool = False) -> list[dict]:
     """Latency of every kernel at every (batch, tree size) of the plan, written as curves as it is measured
     (at least every `FLUSH_SECONDS` and at the end). A (batch, tree size) whose every kernel's point the
-    database already holds, measured alike (`measured_points`; the tuned one with the config now tuned), is
-    not measured again unless ``remeasure``; its rows come back with ``resumed: True``."""
+    database already holds, measured alike (`measured_points`; the tuned ones with the configs now tuned:
+    tree_verify's ``config``, the commit's ``commit_config``), is not measured again unless ``remeasure``; its
+    rows come back with ``resumed: True``.
+
+    The round curves (`ROUND_KERNELS`) are what a GDN layer costs per speculation round: ``round_verify_commit``
+    the tuned tree_verify then the tuned one-layer tree_commit, ``round_serial`` serial_verify then its
+    snapshot copy."""
     shape = model.heads(plan.tp)
     shape_dict = {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv}
     dtype = torch_dtype(plan.dtype)
     on_gpu = torch.device(device).type == "cuda"
-    kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit"] if on_gpu \
-        else ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback"]
-    if not plan.serial and on_gpu:
-        kernels.remove("serial_verify")
+    kernels = curve_kernels(on_gpu, plan.serial)
     names = {k: curve_name(model, k, plan.dtype, plan.tp) for k in kernels}
     run = provenance(fp, "", {"repeats": plan.repeats})  # one per run: its date names the points it measures
     done = {} if remeasure else measured_points(db_path, names, shape_dict, run)
@@ -480,16 +716,26 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                 pts.clear()
         last_write[0] = time.monotonic()
 
+    def current(held: dict, decision, commit) -> bool:
+        """Whether the held points ran the configs now tuned."""
+        if decision is not None and held["tree_verify_tuned"].get("config") != decision.config.as_dict():
+            return False
+        return commit is None or all(held[k].get("commit_config") == commit.config.as_dict()
+                                     for k in ("tree_commit", "round_verify_commit"))
+
     rows = []
     batches, sizes = plan.curve_grid(on_gpu)
     for batch in batches:
         for size in sizes:
             key = ShapeKey.bucketed(shape, plan.dtype, size, batch, plan.tp)
             # the configs of the database being written, just tuned
-            decision = decide(key, fp.slug, "nearest", directory=Path(db_path).parent) if on_gpu else None
-            held = [done.get((k, batch, size)) for k in kernels]
-            if all(held) and (decision is None or held[0].get("config") == decision.config.as_dict()):
-                rows += [{"model": model.name, "kernel": k, **point, "resumed": True} for k, point in zip(kernels, held)]
+            directory = Path(db_path).parent
+            decision = decide(key, fp.slug, "nearest", directory=directory) if on_gpu else None
+            commit = (decide_commit(CommitKey(shape=key, layers=1), fp.slug, "nearest", directory=directory,
+                                    num_requests=batch) if on_gpu else None)
+            held = {k: done.get((k, batch, size)) for k in kernels}
+            if all(held.values()) and current(held, decision, commit):
+                rows += [{"model": model.name, "kernel": k, **point, "resumed": True} for k, point in held.items()]
                 if progress:
                     progress(model, batch, size, {})
                 continue
@@ -498,8 +744,9 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
             measured = {}
             if on_gpu:
                 # the tuned point runs the kernel its config was tuned on, as tree_verify(config=None) does
+                tuned = bench.launch(decision.config, tuned_on=decision.kernel)
                 for name, verify, launch in (
-                        ("tree_verify_tuned", tree_verify, bench.launch(decision.config, tuned_on=decision.kernel)),
+                        ("tree_verify_tuned", tree_verify, tuned),
                         ("tree_verify_default", tree_verify, bench.launch(default_config(shape.dk, shape.dv))),
                         ("serial_verify", serial_verify, None)):
                     if name not in kernels:
@@ -507,18 +754,27 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                     error = bench.check(verify, launch)
                     timing, _ = bench.time_verify(verify, launch, plan.repeats,
                                                   most_sets=2 if verify is serial_verify else 64)
-                    measured[name] = (timing, error, launch and launch.config)
-                measured["tree_commit"] = (bench.time_commit(plan.repeats), None, None)
+                    measured[name] = (timing, error, launch and launch.config, None)
+                if "round_serial" in kernels:
+                    measured["round_serial"] = (time_serial_round(bench, plan.repeats), None, None, None)
+                measured["tree_commit"] = (time_commit(bench, commit.config, plan.repeats), None, None, commit.config)
+                measured["round_verify_commit"] = (time_round(bench, tuned, commit.config, plan.repeats), None,
+                                                   tuned.config, commit.config)
             else:
                 error = bench.check(tree_verify)
                 timing, _ = bench.time_verify(tree_verify, repeats=max(3, plan.repeats // 10), most_sets=2)
-                measured["tree_verify_cpu_fallback"] = (timing, error, None)
-                measured["tree_commit_cpu_fallback"] = (bench.time_commit(3), None, None)
-            for name, (timing, error, config) in measured.items():
+                measured["tree_verify_cpu_fallback"] = (timing, error, None, None)
+                measured["tree_commit_cpu_fallback"] = (bench.time_commit(3), None, None, None)
+                measured["round_verify_commit_cpu_fallback"] = (time_round(bench, None, None, 3, most_sets=2), None,
+                                                                None, None)
+            for name in kernels:  # in the curves' order
+                timing, error, config, commit_config = measured[name]
                 point = {"batch": batch, "tree_size": size, "p20": round(timing.p20_us, 3),
                          "p50": round(timing.p50_us, 3), "p80": round(timing.p80_us, 3), "measured": run["date"]}
                 if config is not None:
                     point["config"] = config.as_dict()
+                if commit_config is not None:
+                    point["commit_config"] = commit_config.as_dict()
                 if error is not None:
                     point["rel_error"] = error
                 pending[name].append(point)

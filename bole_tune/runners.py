@@ -1,7 +1,9 @@
 """What measures a tile config for the tuner: the GPU, or a replay of recorded measurements.
 
 `GPURunner` checks each candidate against the float64 reference on the bucket's shape (a wrong
-config is reported as ``wrong`` and never timed), then times it. Compile failures, out-of-resources
+config is reported as ``wrong`` and never timed), then times it: a `KernelConfig` of `tree_verify` on a
+`ShapeKey`, or a `CommitConfig` of `tree_commit` / `tree_commit_layers` on a `CommitKey` (checked against
+`commit_closed_form`, `bole_tune.commit_bench`). Compile failures, out-of-resources
 and out-of-memory are ``infeasible``; the search goes on. `ReplayRunner` answers from a file of
 recorded measurements, so the whole tuning loop runs and is tested on a CPU; `RecordingRunner`
 writes such a file while it measures.
@@ -19,8 +21,8 @@ import torch
 
 from bole_tune.atomic import write_text_atomic
 from bole_tune.bench import BenchCase, CaseBench
-from bole_tune.config import KernelConfig
-from bole_tune.database import ShapeKey
+from bole_tune.config import CommitConfig, KernelConfig
+from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
 from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify.self_check import accepted_error
@@ -53,9 +55,13 @@ class DeviceLost(RuntimeError):
     """The GPU context is unusable (an illegal memory access, say); the run must restart to resume."""
 
 
-def config_text(config: KernelConfig) -> str:
-    """How recordings name a config: `KernelConfig.text` (``"64/32/4/2"``)."""
+def config_text(config: KernelConfig | CommitConfig) -> str:
+    """How recordings name a config: its ``text`` (``"64/32/4/2"``; a commit's ``"128/16/128/2/3"``)."""
     return config.text
+
+
+DEVICE_LOST_SIGNS = ("illegal memory access", "unspecified launch failure", "misaligned address",
+                     "illegal instruction")
 
 
 class GPURunner:
@@ -66,6 +72,7 @@ class GPURunner:
         self.repeats = repeats
         self._bench_key = None
         self._bench = None
+        self._commit_bench = None
         self.name = f"{'GPU' if self.device.type == 'cuda' else 'CPU'} runner ({self.device})"
 
     def fingerprint(self) -> Fingerprint:
@@ -78,30 +85,70 @@ class GPURunner:
             self._bench, self._bench_key = CaseBench(case, self.device), key
         return self._bench
 
-    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+    def commit_bench(self, key: CommitKey):
+        """The `CommitBench` of ``key`` (one kept at a time)."""
+        from bole_tune.commit_bench import CommitBench
+
+        if self._commit_bench is None or self._commit_bench.key != key:
+            self._commit_bench = None  # free the previous bucket's sets first
+            self._commit_bench = CommitBench(key, self.device)
+        return self._commit_bench
+
+    def measure(self, key: ShapeKey | CommitKey, config: KernelConfig | CommitConfig) -> Measurement:
+        if isinstance(key, CommitKey) != isinstance(config, CommitConfig):
+            raise TypeError(f"config: a {type(key).__name__} is measured with a "
+                            f"{'CommitConfig' if isinstance(key, CommitKey) else 'KernelConfig'}, got "
+                            f"{type(config).__name__}")
+        if isinstance(key, CommitKey):
+            bench = self.commit_bench(key)
+            bench.reference(), bench.sets()  # the harness itself must not fail inside the guarded region
+            return self._guarded(key, config, self._measure_commit)
         bench = self.bench(key)
         bench.reference()  # the harness itself must not fail inside the guarded region below
+        return self._guarded(key, config, self._measure_verify)
+
+    def _measure_verify(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        bench = self.bench(key)
+        with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
+            warnings.simplefilter("ignore", UserWarning)
+            launch = bench.launch(config)
+        if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
+            return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
+        error = bench.error(tree_verify, launch)
+        if not error <= accepted_error(torch_dtype(key.dtype)):
+            return Measurement("wrong", rel_error=error,
+                               message=f"relative error {error:.2e} against the float64 reference")
+        timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)
+        return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
+
+    def _measure_commit(self, key: CommitKey, config: CommitConfig) -> Measurement:
+        """Check ``config`` against `commit_closed_form` (never time or record a wrong one), then time it."""
+        from bole_tune.commit_bench import COMMIT_TOLERANCE
+
+        bench = self.commit_bench(key)
+        error = bench.error(config)
+        if not error <= COMMIT_TOLERANCE:
+            if error == float("inf"):
+                return Measurement("wrong", message="wrote a slot it must leave as it is, or NaN (against "
+                                                    "commit_closed_form)")
+            return Measurement("wrong", rel_error=error,
+                               message=f"relative error {error:.2e} against commit_closed_form")
+        timing = bench.time(config, repeats=self.repeats)
+        return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
+
+    def _guarded(self, key, config, body) -> Measurement:
+        """``body(key, config)``; what fails for this config alone (compile failures, out of resources or memory,
+        launch errors) is ``infeasible``, a crashed GPU context `DeviceLost`."""
         try:
-            with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
-                warnings.simplefilter("ignore", UserWarning)
-                launch = bench.launch(config)
-            if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
-                return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
-            error = bench.error(tree_verify, launch)
-            if not error <= accepted_error(torch_dtype(key.dtype)):
-                return Measurement("wrong", rel_error=error,
-                                   message=f"relative error {error:.2e} against the float64 reference")
-            timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)
+            return body(key, config)
         except torch.cuda.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             return Measurement("infeasible", message=f"out of memory: {str(error)[:200]}")
         except Exception as error:  # compile failures, out of resources, launch errors: this config only
             text = f"{type(error).__name__}: {str(error)[:300]}"
-            if any(s in text for s in ("illegal memory access", "unspecified launch failure", "misaligned address",
-                                       "illegal instruction")):
+            if any(s in text for s in DEVICE_LOST_SIGNS):
                 raise DeviceLost(f"{config} crashed the GPU context on {key.text}: {text}") from error
             return Measurement("infeasible", message=text)
-        return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
 
 
 class RecordingIncomplete(ValueError):
@@ -149,7 +196,7 @@ class ReplayRunner:
     def keys(self) -> list[str]:
         return list(self.measurements)
 
-    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+    def measure(self, key: ShapeKey | CommitKey, config: KernelConfig | CommitConfig) -> Measurement:
         self.calls += 1
         if self.delay:
             time.sleep(self.delay)
@@ -161,9 +208,9 @@ class ReplayRunner:
                                       f"{', '.join(self.measurements) or 'none'})")
         recorded = by_config.get(config_text(config))
         if recorded is None:
-            raise RecordingIncomplete(f"{self.path}: {key.text}: config {config_text(config)} (b_k/b_v/num_warps/"
-                                      f"num_stages) is not in the recording; record it, or replay with the "
-                                      f"search space it was recorded on")
+            raise RecordingIncomplete(f"{self.path}: {key.text}: config {config_text(config)} "
+                                      f"({'/'.join(type(config).knobs())}) is not in the recording; record it, or "
+                                      f"replay with the search space it was recorded on")
         return recorded
 
 
@@ -182,7 +229,7 @@ class RecordingRunner:
     def fingerprint(self) -> Fingerprint:
         return self.inner.fingerprint()
 
-    def measure(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+    def measure(self, key: ShapeKey | CommitKey, config: KernelConfig | CommitConfig) -> Measurement:
         m = self.inner.measure(key, config)
         self.data["measurements"].setdefault(key.text, {})[config.text] = m.as_dict()
         write_text_atomic(self.path, json.dumps(self.data, indent=1) + "\n")

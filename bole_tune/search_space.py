@@ -1,68 +1,115 @@
-"""The tuner's search space (``profiles/search_space.yaml``) and the pruning done before compiling."""
+"""The tuner's search spaces (``profiles/search_space.yaml``) and the pruning done before compiling.
+
+The file's top-level knobs are `tree_verify`'s (`KernelConfig`); its ``commit`` section holds those of
+`tree_commit` / `tree_commit_layers` (`CommitConfig`). ``SearchSpace.load(path)`` reads the first,
+``SearchSpace.load(path, kind="commit")`` the second.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from bole_tune.config import KernelConfig, node_block
+from bole_tune.config import CommitConfig, KernelConfig, node_block
 from bole_tune.profiles import PROFILES_DIR, Fields, ProfileError, read_yaml
 from bole_tune.shapes import torch_dtype
 
 DEFAULT_SHARED_MEMORY = 227 * 1024  # bytes per block on sm_90 when the device does not say
+KINDS = {"verify": KernelConfig, "commit": CommitConfig}
+COMMIT_SECTION = "commit"
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """The candidate values of every knob of `KernelConfig` (``values``, in `KernelConfig.knobs` order)."""
+    """The candidate values of every knob of a config type (``values``, in its ``knobs()`` order):
+    `KernelConfig` (``kind`` "verify") or `CommitConfig` ("commit")."""
 
     values: dict  # knob name -> tuple of candidate values, sorted
     source: str = ""
+    kind: str = "verify"
+    _configs: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def config_type(self) -> type:
+        return KINDS[self.kind]
 
     @classmethod
-    def load(cls, path=None) -> "SearchSpace":
+    def load(cls, path=None, kind: str = "verify") -> "SearchSpace":
+        """The space of ``kind`` ("verify": the file's top-level knobs; "commit": its ``commit`` section)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
         path = Path(path) if path else PROFILES_DIR / "search_space.yaml"
         f = Fields(read_yaml(path), path)
-        knobs = KernelConfig.knobs()
-        f.reject_unknown(set(knobs))
+        config_type = KINDS[kind]
+        knobs = config_type.knobs()
+        if kind == "verify":
+            f.reject_unknown(set(knobs) | {COMMIT_SECTION})
+        else:
+            if COMMIT_SECTION not in f.data:
+                raise ProfileError(f"{path}: {COMMIT_SECTION}: missing (the tree_commit knobs: "
+                                   f"{', '.join(knobs)})")
+            f = f.sub(COMMIT_SECTION)
+            f.reject_unknown(set(knobs))
         values = {}
         for name in knobs:
             items = f.get(name, list)
             if not items:
-                raise ProfileError(f"{path}: {name}: the list is empty")
+                raise ProfileError(f"{f._where(name)}: the list is empty")
             for item in items:
                 if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
-                    raise ProfileError(f"{path}: {name}: expected positive ints, got {item!r}")
+                    raise ProfileError(f"{f._where(name)}: expected positive ints, got {item!r}")
             values[name] = tuple(sorted(set(items)))
-        space = cls(values, source=str(path))
         try:
-            space.configs()
+            configs = _combinations(config_type, values)
         except ValueError as error:
-            raise ProfileError(f"{path}: {error}") from None
-        return space
+            raise ProfileError(f"{path}: {(COMMIT_SECTION + '.') if kind == 'commit' else ''}{error}") from None
+        if not configs:
+            raise ProfileError(f"{path}: {COMMIT_SECTION}: no valid config (b_v must be at most v_span)")
+        return cls(values, source=str(path), kind=kind, _configs=tuple(configs))
 
-    def configs(self) -> list[KernelConfig]:
-        """Every combination of the knobs' values."""
-        names = list(self.values)
-        return [KernelConfig(**dict(zip(names, combo))) for combo in itertools.product(*self.values.values())]
+    def configs(self) -> list:
+        """Every valid combination of the knobs' values (a commit's ``b_v`` above its ``v_span`` is none)."""
+        if not self._configs:
+            object.__setattr__(self, "_configs", tuple(_combinations(self.config_type, self.values)))
+        return list(self._configs)
 
     @property
     def size(self) -> int:
-        """How many configs the space holds (every combination of the knobs' values)."""
+        """How many configs the space holds (every valid combination of the knobs' values)."""
+        return len(self.configs())
+
+    @property
+    def grid_size(self) -> int:
+        """Every combination of the knobs' values, valid or not: the points a grid sampler visits."""
         return math.prod(len(values) for values in self.values.values())
 
     def check_trials(self, n_trials: int) -> int:
         """``n_trials`` if a study of this space can use that many: each config is measured once at most
         (a repeat is answered from the first measurement), so more trials than configs only spin."""
         if n_trials > self.size:
-            raise ValueError(f"--trials: {n_trials} is more than the {self.size} configs of the search space "
+            raise ValueError(f"--trials: {n_trials} is more than the {self.size} configs of the "
+                             f"{'commit ' if self.kind == 'commit' else ''}search space "
                              f"({self.source or 'search_space.yaml'}); a bucket measures each config once at most")
         return n_trials
 
-    def contains(self, config: KernelConfig) -> bool:
-        return all(getattr(config, name) in values for name, values in self.values.items())
+    def contains(self, config) -> bool:
+        return (isinstance(config, self.config_type)
+                and all(getattr(config, name) in values for name, values in self.values.items()))
+
+
+def _combinations(config_type: type, values: dict) -> list:
+    """Every combination of ``values`` that makes a config; a value no combination can use (not a power of two,
+    say) raises the config's ValueError. A commit's ``b_v`` above ``v_span`` only drops that combination."""
+    names = list(values)
+    configs = []
+    for combo in itertools.product(*values.values()):
+        data = dict(zip(names, combo))
+        if config_type is CommitConfig and data["b_v"] > data["v_span"]:
+            continue
+        configs.append(config_type(**data))
+    return configs
 
 
 def shared_memory_estimate(config: KernelConfig, tree_size: int, dtype: str) -> int:
@@ -77,12 +124,24 @@ def shared_memory_estimate(config: KernelConfig, tree_size: int, dtype: str) -> 
     return config.num_stages * per_stage + staging
 
 
-def feasible(config: KernelConfig, dk: int, dv: int, tree_size: int, dtype: str,
+def commit_shared_memory_estimate(config: CommitConfig) -> int:
+    """Bytes of shared memory a tree_commit program needs: ``num_stages`` state tiles ``[b_v, b_k]`` (fp32) in
+    flight, and the path's ``[16, b_v]`` and ``[16, b_k]`` fp32 dot operands."""
+    return config.num_stages * config.b_v * config.b_k * 4 + 16 * (config.b_v + config.b_k) * 4
+
+
+def feasible(config, dk: int, dv: int, tree_size: int, dtype: str,
              shared_memory_limit: int | None = None) -> tuple[bool, str]:
-    """Whether ``config`` can run on this shape and device; the reason when it cannot."""
+    """Whether ``config`` (a `KernelConfig` or a `CommitConfig`) can run on this shape and device; the reason
+    when it cannot."""
     if not config.fits(dk, dv):
+        if isinstance(config, CommitConfig):
+            return False, f"tiles b_k={config.b_k}, v_span={config.v_span} do not divide dk={dk}, dv={dv}"
         return False, f"tiles b_k={config.b_k}, b_v={config.b_v} do not divide dk={dk}, dv={dv}"
-    need = shared_memory_estimate(config, tree_size, dtype)
+    if isinstance(config, CommitConfig):
+        need = commit_shared_memory_estimate(config)
+    else:
+        need = shared_memory_estimate(config, tree_size, dtype)
     limit = shared_memory_limit or DEFAULT_SHARED_MEMORY
     if need > limit:
         return False, f"needs about {need // 1024} KiB of shared memory, the device has {limit // 1024} KiB"

@@ -8,6 +8,10 @@ start), then lets TPE explore. A config the sampler
 proposes twice is answered from the first measurement (no device time). Pruned (does not fit),
 infeasible (does not compile or run) and wrong (fails the reference check) candidates are recorded
 with their reason as pruned trials, which the sampler ranks below every working config.
+
+The same loop tunes the commit (`tree_commit`, `tree_commit_layers`): a study whose key is a `CommitKey`
+(bucket and layers per launch) over the ``commit`` search space (`CommitConfig`), named
+``bole-tune:<gpu-slug>:commit:<key text>``, starting from the untuned fallback `default_commit_config`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import optuna
 import sqlalchemy
 from filelock import FileLock
 
-from bole_tune.config import KernelConfig, default_config
-from bole_tune.database import ShapeKey
+from bole_tune.config import CommitConfig, KernelConfig, default_commit_config, default_config
+from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.kernels import PLANNER
 from bole_tune.runners import DeviceLost, Measurement
 from bole_tune.search_space import SearchSpace, feasible
@@ -97,11 +101,11 @@ def open_storage(url: str | None):
 
 @dataclass
 class TuneResult:
-    key: ShapeKey
+    key: ShapeKey | CommitKey
     study_name: str
-    best: KernelConfig | None
+    best: KernelConfig | CommitConfig | None
     best_measurement: Measurement | None
-    default: KernelConfig
+    default: KernelConfig | CommitConfig
     default_measurement: Measurement | None
     counts: dict = field(default_factory=dict)
     workers: list = field(default_factory=list)  # host:pid of every process that measured a trial
@@ -113,8 +117,27 @@ class TuneResult:
         return None
 
 
-def study_name(slug: str, key: ShapeKey) -> str:
+def study_name(slug: str, key: ShapeKey | CommitKey) -> str:
+    if isinstance(key, CommitKey):
+        return f"bole-tune:{slug}:commit:{key.text}"
     return f"bole-tune:{slug}:{key.text}"
+
+
+def default_for(key: ShapeKey | CommitKey):
+    """The config a study of ``key`` starts from and compares its best with: the verifier's safe default, or
+    the commit's untuned fallback for this launch's programs."""
+    if isinstance(key, CommitKey):
+        return default_commit_config(key.programs_per_tile, key.heads.dk, key.heads.dv)
+    return default_config(key.heads.dk, key.heads.dv)
+
+
+def _check_kind(key, space: SearchSpace) -> type:
+    """The config type of ``space``, which must be the one ``key`` tunes (a `CommitKey`: the commit space)."""
+    wanted = "commit" if isinstance(key, CommitKey) else "verify"
+    if space.kind != wanted:
+        raise ValueError(f"space: a {'commit' if wanted == 'commit' else 'tree_verify'} bucket ({key.text}) needs "
+                         f"the {wanted} search space, got the {space.kind} one ({space.source})")
+    return space.config_type
 
 
 def _measurement_of(trial) -> Measurement | None:
@@ -125,7 +148,7 @@ def _measurement_of(trial) -> Measurement | None:
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
 
-def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: int, slug: str,
+def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, n_trials: int, slug: str,
                 warm_start=(), shared_memory_limit: int | None = None, sampler=None, on_trial=None,
                 worker: str | None = None) -> TuneResult:
     """Run (or resume, or join) the study of one bucket until it holds ``n_trials`` finished trials
@@ -135,6 +158,7 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     with the default and warm-start configs, a config any worker already measured is answered from
     the storage, and everyone stops when the study as a whole has ``n_trials`` finished trials.
     """
+    config_type = _check_kind(key, space)
     name = study_name(slug, key)
     n_trials = min(n_trials, space.size)  # distinct configs, each measured once: more trials would only repeat
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
@@ -143,7 +167,7 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     with warnings.catch_warnings():  # experimental in optuna, stable in use since v2.9
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-    default = default_config(key.heads.dk, key.heads.dv)
+    default = default_for(key)
     if not study.trials:
         study.set_user_attr("key", key.as_dict())
         starts = [default] + list(warm_start) + kernel_starts(key)
@@ -157,14 +181,19 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
         if text not in measured:
             for t in study.get_trials(deepcopy=False, states=FINISHED):
                 m = _measurement_of(t)
-                if m is not None and KernelConfig.from_dict(t.params).text == text:
+                if m is not None and config_type.from_dict(t.params).text == text:
                     measured[text] = m
                     break
         return measured.get(text)
 
     def objective(trial: optuna.Trial) -> float:
-        config = KernelConfig.from_dict({name: trial.suggest_categorical(name, list(values))
-                                         for name, values in space.values.items()})
+        params = {name: trial.suggest_categorical(name, list(values)) for name, values in space.values.items()}
+        try:
+            config = config_type.from_dict(params)
+        except ValueError as error:  # a commit's b_v above its v_span: no such launch
+            trial.set_user_attr("status", "pruned")
+            trial.set_user_attr("reason", str(error))
+            raise optuna.TrialPruned(str(error)) from None
         if worker:
             trial.set_user_attr("worker", worker)
         text = config.text
@@ -198,7 +227,7 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     finished = study.get_trials(deepcopy=False, states=FINISHED)
     if isinstance(study.sampler, optuna.samplers.GridSampler):
         # a grid is done when every point is covered, whoever covered it; the sampler stops the study
-        grid = len(space.configs())
+        grid = space.grid_size  # a commit's b_v > v_span points are visited too, and pruned at once
         if len({tuple(sorted(t.params.items())) for t in finished}) < grid:
             study.optimize(objective, n_trials=grid, catch=())
     elif len(finished) < n_trials:
@@ -215,10 +244,11 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
             done = len(study.get_trials(deepcopy=False, states=FINISHED))
             if done >= n_trials:
                 break
-            tried = {KernelConfig.from_dict(t.params).text for t in study.get_trials(deepcopy=False)
-                     if set(t.params) == set(KernelConfig.knobs())}
+            tried = {"/".join(str(t.params[k]) for k in config_type.knobs()) for t in study.get_trials(deepcopy=False)
+                     if set(t.params) == set(config_type.knobs())}
             steps = []
-            for center in _ranked_configs(study):  # the best first; the runners-up once its neighbours are done
+            # the best first; the runners-up once its neighbours are done
+            for center in _ranked_configs(study, config_type):
                 steps = [c for c in step_neighbours(center, space) if c.text not in tried and
                          feasible(c, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)[0]]
                 if steps:
@@ -235,6 +265,45 @@ def tune_bucket(runner, key: ShapeKey, space: SearchSpace, storage, n_trials: in
     return _result(study, key, name, default)
 
 
+def tune_bucket_buffered(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, n_trials: int, slug: str,
+                         **options) -> TuneResult:
+    """`tune_bucket` in an in-memory study, written to ``storage`` when it is done: for studies of seconds run by
+    one process (the commit's), where the storage's round trips per trial (about 70 ms with SQLite and TPE)
+    would cost more than the measurements. A study the storage already holds with ``n_trials`` finished
+    trials is read back and nothing is measured; one it holds with fewer (an interrupted `tune_bucket`) is
+    continued from its finished trials, then replaced. An interrupted buffered study is redone from its start
+    (or from what the storage held). ``options``: `tune_bucket`'s."""
+    name = study_name(slug, key)
+    grid = isinstance(options.get("sampler"), optuna.samplers.GridSampler)
+    target = space.grid_size if grid else min(n_trials, space.size)
+    try:
+        stored = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        stored = None
+    finished = stored.get_trials(deepcopy=False, states=FINISHED) if stored is not None else []
+    if stored is not None and len(finished) >= target:
+        return _result(stored, key, name, default_for(key))
+    memory = optuna.storages.InMemoryStorage()
+    if finished:
+        study = optuna.create_study(study_name=name, storage=memory, direction="minimize")
+        for attr, value in stored.user_attrs.items():
+            study.set_user_attr(attr, value)
+        study.add_trials(finished)
+
+    def persist():
+        if stored is not None:
+            optuna.delete_study(study_name=name, storage=storage)
+        optuna.copy_study(from_study_name=name, from_storage=memory, to_storage=storage)
+
+    try:
+        result = tune_bucket(runner, key, space, memory, n_trials, slug, **options)
+    except DeviceLost:  # the crashing config is recorded: the next run continues without it
+        persist()
+        raise
+    persist()
+    return result
+
+
 POLISH_FRACTION = 0.25
 
 
@@ -243,19 +312,20 @@ def polish_trials(n_trials: int) -> int:
     return int(n_trials * POLISH_FRACTION) if n_trials >= 8 else 0
 
 
-def _ranked_configs(study) -> list[KernelConfig]:
+def _ranked_configs(study, config_type: type = KernelConfig) -> list:
     """Configs measured correct in the study, fastest first."""
     ranked = {}
     for t in study.get_trials(deepcopy=False, states=FINISHED):
         m = _measurement_of(t)
         if m is not None and m.status == "ok":
-            config = KernelConfig.from_dict(t.params)
+            config = config_type.from_dict(t.params)
             ranked[config.text] = (m.p50_us, config)
     return [c for _, c in sorted(ranked.values(), key=lambda x: x[0])]
 
 
-def step_neighbours(config: KernelConfig, space: SearchSpace) -> list[KernelConfig]:
-    """Configs one step away in one parameter (the next smaller or larger value of the space)."""
+def step_neighbours(config, space: SearchSpace) -> list:
+    """Configs one step away in one parameter (the next smaller or larger value of the space); a step that
+    makes no config (a commit's b_v above its v_span) is skipped."""
     found = []
     values = config.as_dict()
     for name, choices in space.values.items():
@@ -265,22 +335,25 @@ def step_neighbours(config: KernelConfig, space: SearchSpace) -> list[KernelConf
         i = choices.index(values[name])
         for j in (i - 1, i + 1):
             if 0 <= j < len(choices):
-                found.append(KernelConfig(**{**values, name: choices[j]}))
+                try:
+                    found.append(type(config)(**{**values, name: choices[j]}))
+                except ValueError:
+                    continue
     return found
 
 
-def best_config_of(storage, slug: str, key: ShapeKey) -> KernelConfig | None:
+def best_config_of(storage, slug: str, key: ShapeKey | CommitKey):
     return load_result(storage, slug, key).best
 
 
-def load_result(storage, slug: str, key: ShapeKey) -> TuneResult:
+def load_result(storage, slug: str, key: ShapeKey | CommitKey) -> TuneResult:
     """The current result of a bucket's study, read from the storage (after the workers are done)."""
     name = study_name(slug, key)
     study = optuna.load_study(study_name=name, storage=storage)
-    return _result(study, key, name, default_config(key.heads.dk, key.heads.dv))
+    return _result(study, key, name, default_for(key))
 
 
-def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResult:
+def _result(study, key: ShapeKey | CommitKey, name: str, default) -> TuneResult:
     counts = {"total": 0, "measured": 0, "ok": 0, "wrong": 0, "infeasible": 0, "pruned": 0}
     best, best_m, default_m = None, None, None
     workers = set()
@@ -300,7 +373,7 @@ def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResul
         if not t.user_attrs.get("repeat_of_earlier_trial"):
             counts["measured"] += 1
             counts[m.status] = counts.get(m.status, 0) + 1
-        config = KernelConfig.from_dict(t.params)
+        config = type(default).from_dict(t.params)
         if config == default:
             default_m = m
         if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
@@ -313,8 +386,10 @@ def _result(study, key: ShapeKey, name: str, default: KernelConfig) -> TuneResul
 RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1))
 
 
-def kernel_starts(key: ShapeKey) -> list[KernelConfig]:
+def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
     """Configs a study starts with for the kernel this bucket runs on (beside default and neighbours)."""
+    if isinstance(key, CommitKey):
+        return []
     if PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) != "resident":
         return []
     return [c for c in RESIDENT_STARTS if c.fits(key.heads.dk, key.heads.dv)]
@@ -329,11 +404,14 @@ def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
     return own + [c for c in neighbours(key, tuned) if c not in own]
 
 
-def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
-    """Best configs of already tuned buckets next to ``key`` (same heads, one bucket step away)."""
+def neighbours(key: ShapeKey | CommitKey, tuned: dict) -> list:
+    """Best configs of already tuned buckets next to ``key`` (same heads, one bucket step away; a commit key:
+    also the same layers per launch)."""
     found = []
     for other_text, (other, config) in tuned.items():
         if (other.heads, other.dtype, other.tp) != (key.heads, key.dtype, key.tp) or other == key:
+            continue
+        if type(other) is not type(key) or getattr(other, "layers", 1) != getattr(key, "layers", 1):
             continue
         steps = abs(math.log2(other.tree_bucket / key.tree_bucket)) + abs(math.log2(other.batch_bucket / key.batch_bucket))
         if steps <= 1:
@@ -341,9 +419,10 @@ def neighbours(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
     return [c for _, c in sorted(found, key=lambda x: x[0])]
 
 
-def exhaustive_bucket(runner, key: ShapeKey, space: SearchSpace, shared_memory_limit=None,
+def exhaustive_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, shared_memory_limit=None,
                       on_trial=None) -> dict[str, Measurement]:
     """Measure every feasible config of the space on one bucket (the yardstick for the tuner)."""
+    _check_kind(key, space)
     results = {}
     for config in space.configs():
         ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)

@@ -291,19 +291,19 @@ def test_profile_skips_points_already_measured_alike(tmp_path, tiny, monkeypatch
     first, _ = _measure(profiler.make_plan([tiny]), db)
     (path,) = db.glob("*.yaml")
     a_before = _points(path, "Tiny-MoE")
-    assert len(a_before) == 8
+    assert len(a_before) == 12  # 2 batches x 2 tree sizes x 3 curves (verify, commit, round)
     time.sleep(1.1)  # dates are to the second: a re-measured point would show a new one
     second, measured = _measure(profiler.make_plan([tiny, other]), db)
     assert {r["model"] for r in measured} == {"Tiny-Two"}, "finished points were measured again"
     assert _points(path, "Tiny-MoE") == a_before
-    assert "resumed: 8 of 16 curve points" in " ".join(second.notes)
+    assert "resumed: 12 of 24 curve points" in " ".join(second.notes)
     # other code (or --remeasure) measures them again
     with monkeypatch.context() as patch:
         patch.setattr(profiler, "code_version", lambda: "other")
         _, measured = _measure(profiler.make_plan([tiny]), db)
-    assert len(measured) == 8
+    assert len(measured) == 12
     _, measured = _measure(profiler.make_plan([tiny]), db, remeasure=True)
-    assert len(measured) == 8
+    assert len(measured) == 12
     assert all(p[1] != a_before[k][1] for k, p in _points(path, "Tiny-MoE").items())
 
 
@@ -358,12 +358,12 @@ def test_profile_killed_between_models_resumes_without_redoing_the_first(tmp_pat
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (path,) = db.glob("*.yaml")
     before = _points(path, "Tiny-MoE")
-    assert len(before) == 8 and not _points(path, "Tiny-Two")
+    assert len(before) == 12 and not _points(path, "Tiny-Two")
     time.sleep(1.1)  # dates are to the second: a re-measured point would show a new one
     resumed = run("-")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _points(path, "Tiny-MoE") == before, "the first model's finished points were measured again"
-    assert len(_points(path, "Tiny-Two")) == 8
+    assert len(_points(path, "Tiny-Two")) == 12
     assert not list(tmp_path.glob("bole-tune-job-*")) and not list(tmp_path.glob(".*.tmp"))
 
 

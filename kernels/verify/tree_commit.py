@@ -2,18 +2,24 @@
 (`tree_commit`) or for every GDN layer of a step at once (`tree_commit_layers`).
 
 ``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (docs/math.md §4): each
-program owns ``v_span`` rows (by default all of them) and ``b_k`` columns of one head's slot and
-streams them in ``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in
-flight. The path to the accepted node ``a`` holds the nodes whose depth-first interval contains
-``a``, one per depth; the program gathers them 16 at a time by depth (no walk up the parents), once
-for its whole span, so the sum is a dot product over the path alone, not over the whole tree.
-On the H200 (9B, B=16) the default 128/16/2 warps/span 128/3 stages took 28.3 us against 41.7 us for
-one 32-row tile per program (BENCHMARKS.md, "tree_commit").
+program owns ``v_span`` rows and ``b_k`` columns of one head's slot and streams them in
+``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in flight. The path to
+the accepted node ``a`` holds the nodes whose depth-first interval contains ``a``, one per depth; the
+program gathers them 16 at a time by depth (no walk up the parents), once for its whole span, so the
+sum is a dot product over the path alone, not over the whole tree.
 
-At one request a layer's commit is 32 programs (one per head) for a 2 MiB state, far too few to fill a GPU
-(14 us where copying the state takes about 1 us), and it is one more launch per layer. `tree_commit_layers`
-commits the stacked pools and factors of all of a step's layers in one launch (a fourth grid dimension:
-layer), and both narrow the programs' spans (`commit_tiles`) until a launch has enough programs.
+**The launch** is a `bole_tune.config.CommitConfig` (``b_k``, ``b_v``, ``v_span``, ``num_warps``,
+``num_stages``): the tuner's knobs, tuned per GPU, head shape, dtype, tree and batch bucket and the number
+of layers one launch commits (the tuning database's ``commit_configs``). ``config=None`` takes the tuned
+one from a *config source* (`DEFAULT_COMMIT_CONFIG_SOURCE`, a module path resolved on the first GPU launch
+that needs it, as the verify planner does: the kernels never import the database layer themselves; engines
+and tests pass their own with `set_commit_config_source`); off a GPU, and where the source has nothing,
+the untuned fallback `bole_tune.config.default_commit_config` (the widest tiles that still give a launch
+enough programs).
+
+At one request a layer's commit is a 2 MiB state, too little to fill a GPU in one launch per layer;
+`tree_commit_layers` commits the stacked pools and factors of all of a step's layers in one launch (a
+fourth grid dimension: layer), with ``L`` times the programs, so it has its own tuned entries.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from bole_tune.config import node_block
+from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
@@ -35,10 +43,14 @@ from .blocks import path_factors
 from .checks import check_commit_inputs
 from .result import TreeVerifyResult, commit_epoch
 
-COMMIT_TARGET_PROGRAMS = 264  # two per SM of an H200: fewer leaves the copy latency-bound
+DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
 
 
-@triton.jit(do_not_specialize=["epoch"])
+# the per-layer strides of the factors read by gathered rows, the request count and the marks' layer stride
+# are not specialised: one binary per config serves every batch size and layer count (the tuner compiles
+# each config once per node block, not once per batch)
+@triton.jit(do_not_specialize=["epoch", "num_requests", "stride_logp_layer", "stride_k_scale_layer",
+                               "stride_committed_layer"])
 def tree_commit_kernel(
     # state pool and request metadata
     state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
@@ -95,24 +107,36 @@ def tree_commit_kernel(
             tl.debug_barrier()
 
 
-def commit_tiles(programs_per_tile: int, dk: int, dv: int, b_k: int = 128, v_span: int = 128) -> tuple[int, int]:
-    """(b_k, v_span): the widest tiles (``b_k`` columns, ``v_span`` rows per program) that still give a launch
-    of ``programs_per_tile * (dk / b_k) * (dv / v_span)`` programs at least `COMMIT_TARGET_PROGRAMS`, halving
-    the span first (down to 16 rows), then the columns (down to 32)."""
-    b_k, v_span = min(b_k, dk), min(v_span, dv)
-    while programs_per_tile * (dk // b_k) * (dv // v_span) < COMMIT_TARGET_PROGRAMS:
-        if v_span > 16:
-            v_span //= 2
-        elif b_k > 32:
-            b_k //= 2
-        else:
-            break
-    return b_k, v_span
+_config_source: Callable | None = None
+
+
+def set_commit_config_source(source: Callable | None) -> Callable | None:
+    """Use ``source`` for ``config=None`` commits: ``(hk, hv, dk, dv, dtype, max_tree_size, num_requests, layers,
+    device) -> CommitConfig | None`` (None: the untuned fallback). ``None`` restores the default
+    (`DEFAULT_COMMIT_CONFIG_SOURCE`, resolved on first use). Returns the source it replaces (None if the
+    default was not resolved yet)."""
+    global _config_source
+    previous, _config_source = _config_source, source
+    return previous
+
+
+def commit_config(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, max_tree_size: int, num_requests: int,
+                  layers: int, device: torch.device) -> CommitConfig:
+    """The launch ``config=None`` runs: the config source's on a GPU (the tuned one, cached there: one dictionary
+    access after the first call), else the untuned fallback `default_commit_config`."""
+    global _config_source
+    if device.type == "cuda":
+        if _config_source is None:
+            module, name = DEFAULT_COMMIT_CONFIG_SOURCE.split(":")
+            _config_source = getattr(importlib.import_module(module), name)
+        config = _config_source(hk, hv, dk, dv, dtype, max_tree_size, num_requests, layers, device)
+        if config is not None:
+            return config
+    return default_commit_config(layers * num_requests * hv, dk, dv)
 
 
 def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate: bool | None = None,
-                b_k: int | None = None, b_v: int = 16, num_warps: int = 2, v_span: int | None = None,
-                num_stages: int = 3) -> None:
+                config: CommitConfig | None = None) -> None:
     """Write in place, for each request, the state the recurrence reaches at its accepted node.
 
     Args:
@@ -120,15 +144,17 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
         state_indices: ``[B]`` slot of each request.
         res: the `TreeVerifyResult` of `tree_verify` or `serial_verify`.
         accepted: ``[B]`` int, local index of each request's last accepted node; -1 leaves its slot as is.
-        b_k, b_v, num_warps, v_span, num_stages: the launch (columns and rows per tile, rows per
-            program); clipped to dk and dv; ``b_k``/``v_span`` None: `commit_tiles` for this batch.
+        config: the launch (`CommitConfig`); None: the tuned one for this GPU, head shape, dtype, tree and batch
+            bucket (one layer), else the untuned fallback (`commit_config`).
     """
     check_commit_inputs(state, state_indices, res, accepted, validate)
+    if config is not None and type(config) is not CommitConfig:
+        raise TypeError(f"config: expected a CommitConfig or None, got {type(config).__name__}")
     if not use_triton(state.device):
         commit_closed_form(state, state_indices, res, accepted, validate=False)
         return
     _launch(state[None], state_indices, res.tree, accepted, res.u[None], res.log_decay[None], res.k[None],
-            res.k_scale[None], res.committed[None], b_k, b_v, num_warps, v_span, num_stages)
+            res.k_scale[None], res.committed[None], config)
 
 
 @dataclass
@@ -167,8 +193,7 @@ class LayerResults:
 
 
 def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeBatch, accepted,
-                       validate: bool | None = None, b_k: int | None = None, b_v: int = 16, num_warps: int = 2,
-                       v_span: int | None = None, num_stages: int = 3) -> None:
+                       validate: bool | None = None, config: CommitConfig | None = None) -> None:
     """`tree_commit` of every layer of a step in one launch.
 
     Args:
@@ -176,6 +201,8 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
             them); state_indices, accepted: as for `tree_commit`, shared by all layers.
         results: the layers' factors (`LayerResults`, each layer verified with ``out=results.layer(l)``).
         tree: the trees every layer verified.
+        config: the launch (`CommitConfig`); None: the one tuned for a launch of this many layers (else the
+            nearest tuned, else the untuned fallback: `commit_config`).
     """
     require_tensor("states", states)
     if not isinstance(results, LayerResults):
@@ -189,35 +216,34 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
             raise ValueError(f"results.{name}: each layer must be contiguous")
     # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
     check_commit_inputs(states[0], state_indices, results.layer(0, tree), accepted, validate)
+    if config is not None and type(config) is not CommitConfig:
+        raise TypeError(f"config: expected a CommitConfig or None, got {type(config).__name__}")
     if not use_triton(states.device):
         for layer in range(results.num_layers):
             commit_closed_form(states[layer], state_indices, results.layer(layer, tree), accepted, validate=False)
         return
     _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale,
-            results.committed, b_k, b_v, num_warps, v_span, num_stages)
+            results.committed, config)
 
 
-def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, committed, b_k, b_v, num_warps, v_span,
-            num_stages) -> None:
+def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, committed,
+            config: CommitConfig | None) -> None:
     """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``)."""
     layers, _, hv, dv, dk = states.shape
     hk = k.shape[2]
     if accepted.dtype not in INDEX_DTYPES:
         raise TypeError(f"accepted: dtype {accepted.dtype}; expected int32 or int64")
-    tiles = commit_tiles(layers * tree.num_requests * hv, dk, dv)
-    b_k, v_span = min(b_k or tiles[0], dk), min(v_span or tiles[1], dv)
-    b_v = min(b_v, v_span)
-    for name, value, full in (("b_k", b_k, dk), ("b_v", b_v, v_span), ("v_span", v_span, dv)):
-        if not isinstance(value, int) or value < 1 or value & (value - 1) or full % value:
-            raise ValueError(f"{name}={value!r}: expected a power of two dividing {full}")
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r}: expected a positive integer")
+    if config is None:
+        config = commit_config(hk, hv, dk, dv, k.dtype, tree.max_tree_size, tree.num_requests, layers, states.device)
+    if not config.fits(dk, dv):
+        raise ValueError(f"config: tiles b_k={config.b_k}, v_span={config.v_span} must divide dk={dk}, dv={dv}")
+    b_k, v_span = config.b_k, config.v_span
     grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
     tree_commit_kernel[grid](
         states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
         u, log_decay, k, k_scale, committed, commit_epoch(),
         states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
         u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,
-        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=b_v, V_SPAN=v_span, B_P=16,
-        num_warps=num_warps, num_stages=num_stages,
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=config.b_v, V_SPAN=v_span,
+        B_P=16, num_warps=config.num_warps, num_stages=config.num_stages,
     )
