@@ -9,6 +9,7 @@
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
 #   step      bole-tune step, every model, into a copy of the shipped database in $OUT (STEP_ARGS for more flags)
 #   lookup    the runtime lookup's cost (bole-tune bench --lookup)
+#   commit    tune the commit launch for the 9B (bole-tune tune --commit --quick) into $OUT's database
 #   sglang    the SGLang adapter against SGLang 0.5.23's own kernel: its tests on the GPU (production shapes
 #             included) and the side-by-side benchmark (JSON in $OUT/sglang-bench.json). SGLang's kernel comes
 #             from $BOLE_TUNE_ENGINE_PACKAGES, default ./.sgk where present: build it with
@@ -25,7 +26,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=150
 LOG="$OUT/run.log"
 stages=${*:-gputests bench}
 for stage in $stages; do
-  case $stage in tests|gputests|validate|profile|bench|step|lookup|sglang) ;; *) echo "unknown stage $stage (tests gputests validate profile bench step lookup sglang)"; exit 2 ;; esac
+  case $stage in tests|gputests|validate|profile|bench|step|lookup|sglang|commit) ;; *) echo "unknown stage $stage (tests gputests validate profile bench step lookup sglang commit)"; exit 2 ;; esac
 done
 
 rows=()
@@ -47,12 +48,15 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
     gputests) timeout "${GPUTESTS_TIMEOUT:-300}" python3 -m pytest tests/test_tree_verify.py tests/test_planner.py \
         tests/test_gdn_layer.py tests/test_validate.py -q -p no:cacheprovider ;;
     validate) timeout "${VALIDATE_TIMEOUT:-110}" bole-tune validate --production --prompts 2 --tokens 200 ;;
-    profile) BOLE_TUNE_DB="$OUT" timeout "${PROFILE_TIMEOUT:-300}" bole-tune profile --quick --repeats 20 \
+    profile) BOLE_TUNE_DB="$OUT" timeout "${PROFILE_TIMEOUT:-480}" bole-tune profile --quick --repeats 20 \
         --curve-batch 1,4,16 --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" ;;
     bench) timeout "${BENCH_TIMEOUT:-300}" bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" ;;
     step) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
         BOLE_TUNE_DB="$OUT" timeout "${STEP_TIMEOUT:-540}" bole-tune step ${STEP_ARGS:-} ;;
     lookup) timeout "${LOOKUP_TIMEOUT:-120}" bole-tune bench --lookup ;;
+    commit) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
+        timeout "${COMMIT_TIMEOUT:-400}" bole-tune tune --commit --quick --model qwen3.5-9b --db-dir "$OUT" \
+          --storage "sqlite:///$OUT/commit-studies.sqlite3" ;;
     sglang) [ -d .sgk ] && export BOLE_TUNE_ENGINE_PACKAGES=${BOLE_TUNE_ENGINE_PACKAGES:-$PWD/.sgk}
         BOLE_TUNE_REQUIRE_ENGINES=1 timeout "${SGLANG_TESTS_TIMEOUT:-240}" python3 -m pytest tests/test_sglang_adapter.py \
           -q -p no:cacheprovider -rs && timeout "${SGLANG_TIMEOUT:-420}" python3 -m bole_tune.engines.sglang \
