@@ -286,7 +286,9 @@ def test_the_cached_commit_lookup_costs_well_under_two_microseconds(db, monkeypa
     assert lookup.commit_lookup_cost_ns(GPU, repeats=20_000) < 20_000  # the helper `bole-tune bench --lookup` prints
 
 
-def test_the_shipped_database_has_no_commit_entries_yet_and_falls_back_cleanly(monkeypatch):
+def test_the_shipped_database_serves_its_commit_entries_and_falls_back_cleanly(monkeypatch):
+    """The shipped H200 file holds the 9B's tuned commit launches (one layer and 24 per launch): lookup returns
+    them; heads tuned for the verifier but not yet for the commit (27B) take the fallback rule, silently."""
     from test_shipped_data import SHIPPED
 
     monkeypatch.setenv("BOLE_TUNE_DB", str(SHIPPED))
@@ -295,13 +297,26 @@ def test_the_shipped_database_has_no_commit_entries_yet_and_falls_back_cleanly(m
     lookup.clear_cache()
     try:
         data = database.load(SHIPPED / "nvidia-h200.yaml")
-        assert data["configs"] and data["commit_configs"] == {}
+        entries = data["commit_configs"]
+        assert data["configs"] and len(entries) == 48
+        assert all(name.startswith("Hv32-Hk16-dk128-dv128-bf16-") for name in entries)
+        assert {entry["key"]["layers"] for entry in entries.values()} == {1, 24}
+        # the entries whose tuned launch is not the fallback's: lookup must return the stored one
+        differ = [e["key"] for e in entries.values() if e["config"] != e["default_config"]]
+        assert differ, "the shipped commit entries all equal the fallback: this test would prove nothing"
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning spam where a commit entry is missing
+            for key in differ:
+                stored = entries[f"Hv32-Hk16-dk128-dv128-bf16-T{key['tree_bucket']}-B{key['batch_bucket']}-"
+                                 f"L{key['layers']}"]["config"]
+                config = lookup.tuned_commit(16, 32, 128, 128, BF16, key["tree_bucket"], key["batch_bucket"],
+                                             key["layers"], GPU)
+                assert config == CommitConfig.from_dict(stored) != default_commit_config(
+                    key["layers"] * key["batch_bucket"] * 32, 128, 128)
             for layers in (1, 24):
                 for batch in (1, 16):
-                    config = lookup.tuned_commit(16, 32, 128, 128, BF16, 64, batch, layers, GPU)
-                    assert config == default_commit_config(layers * batch * 32, 128, 128)
+                    config = lookup.tuned_commit(16, 48, 128, 128, BF16, 64, batch, layers, GPU)  # the 27B
+                    assert config == default_commit_config(layers * batch * 48, 128, 128)
     finally:
         lookup.clear_cache()
 
