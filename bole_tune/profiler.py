@@ -191,23 +191,15 @@ def _latency(m: Measurement) -> dict:
 
 
 def config_entry(result: TuneResult, fp) -> dict:
-    best, m = result.best, result.best_measurement
+    """The database entry (``configs``) of a verifier study's winner, with the kernel it was tuned on."""
     k = result.key
-    entry = {"key": k.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
-             "kernel": PLANNER.policy.variant(k.batch_bucket, k.heads.hv, k.tree_bucket),
-             "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
-    if result.default_measurement and result.default_measurement.status == "ok":
-        entry["default_config"] = result.default.as_dict()
-        entry["default_latency_us"] = _latency(result.default_measurement)
-        entry["speedup_vs_default"] = round(result.speedup, 3)
-    entry["provenance"] = provenance(fp, m.method, {"workers": result.workers} if result.workers else None)
-    return entry
+    return commit_entry(result, fp, kernel=PLANNER.policy.variant(k.batch_bucket, k.heads.hv, k.tree_bucket))
 
 
-def commit_entry(result: TuneResult, fp) -> dict:
-    """The database entry (``commit_configs``) of a commit study's winner."""
+def commit_entry(result: TuneResult, fp, **extra) -> dict:
+    """The database entry (``commit_configs``) of a commit study's winner; ``extra`` fields follow its latency."""
     best, m = result.best, result.best_measurement
-    entry = {"key": result.key.as_dict(), "config": best.as_dict(), "latency_us": _latency(m),
+    entry = {"key": result.key.as_dict(), "config": best.as_dict(), "latency_us": _latency(m), **extra,
              "rel_error": m.rel_error, "trials": result.counts, "study": result.study_name}
     if result.default_measurement and result.default_measurement.status == "ok":
         entry["default_config"] = result.default.as_dict()
