@@ -216,16 +216,21 @@ class CaseBench:
                                                method=f"{whole.method}, {layers} layers in one launch, per layer",
                                                samples=whole.samples)
         del stacked, states
-        tree2, pool2, inputs2, slots2 = self.sets(2)
-        snapshot = torch.zeros_like(pool2[:self.case.batch])
+        timings["round_serial"] = self.time_serial_round(repeats)
+        return timings
+
+    def time_serial_round(self, repeats: int = 50) -> Timing:
+        """The serial engine's round: `serial_verify` then a copy of one state per request into its slot (what a
+        snapshot engine's commit is: the accepted node's snapshot copied over the slot)."""
+        tree, pool, inputs, slots = self.sets(2)
+        snapshot = torch.zeros_like(pool[:self.case.batch])
 
         def serial(i):
-            x = inputs2[i]
-            serial_verify(x.q, x.k, x.v, x.g, x.beta, pool2, slots2[i], tree2, validate=False)
-            pool2.index_copy_(0, slots2[i].long(), snapshot)
+            x = inputs[i]
+            serial_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+            pool.index_copy_(0, slots[i].long(), snapshot)
 
-        timings["round_serial"] = time_launches(serial, len(inputs2), self.device, repeats=repeats)
-        return timings
+        return time_launches(serial, len(inputs), self.device, repeats=repeats)
 
 
 def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig | None = None,

@@ -653,20 +653,6 @@ def time_round(bench: CaseBench, launch, config: CommitConfig | None, repeats: i
     return time_launches(round_, len(inputs), bench.device, repeats=repeats)
 
 
-def time_serial_round(bench: CaseBench, repeats: int) -> Timing:
-    """The serial engine's round: `serial_verify` then a copy of one state per request into its slot (what a
-    snapshot engine's commit is: the accepted node's snapshot copied over the slot)."""
-    tree, pool, inputs, slots = bench.sets(2)
-    snapshot = torch.zeros_like(pool[:bench.case.batch])
-
-    def serial(i):
-        x = inputs[i]
-        serial_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
-        pool.index_copy_(0, slots[i].long(), snapshot)
-
-    return time_launches(serial, len(inputs), bench.device, repeats=repeats)
-
-
 def curve_kernels(on_gpu: bool, serial: bool = True) -> list[str]:
     """The curves `measure_curves` writes, in order."""
     if not on_gpu:
@@ -748,7 +734,7 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                                                   most_sets=2 if verify is serial_verify else 64)
                     measured[name] = (timing, error, launch and launch.config, None)
                 if "round_serial" in kernels:
-                    measured["round_serial"] = (time_serial_round(bench, plan.repeats), None, None, None)
+                    measured["round_serial"] = (bench.time_serial_round(plan.repeats), None, None, None)
                 measured["tree_commit"] = (time_commit(bench, commit.config, plan.repeats), None, None, commit.config)
                 measured["round_verify_commit"] = (time_round(bench, tuned, commit.config, plan.repeats), None,
                                                    tuned.config, commit.config)
