@@ -399,7 +399,7 @@ def tune_commits(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage
         configs = [c for c in space.configs() if any(feasible(c, k.heads.dk, k.heads.dv, k.tree_bucket, k.dtype,
                                                               limit)[0] for k in keys)]
         precompile_commits(keys, configs, progress=compiled)
-    existing = _existing_commit_configs(db_path)
+    existing = _existing_configs(db_path, "commit_configs", CommitKey, CommitConfig)
     tuned: dict = {}
     results, pending = [], {}
     last_write = time.monotonic()
@@ -531,22 +531,14 @@ def profile(plan: ProfilePlan, db_dir=None, storage: str | None = None, workers:
     return result
 
 
-def _existing_configs(db_path) -> dict:
+def _existing_configs(db_path, section: str = "configs", key_type=ShapeKey, config_type=KernelConfig) -> dict:
+    """``{name: (key, config)}`` of one section of the database at ``db_path`` (empty if it cannot be read)."""
     try:
         data = database.load(db_path)
     except database.DatabaseError:
         return {}
-    return {name: (ShapeKey.from_dict(e["key"]), KernelConfig.from_dict(e["config"]))
-            for name, e in data["configs"].items()}
-
-
-def _existing_commit_configs(db_path) -> dict:
-    try:
-        data = database.load(db_path)
-    except database.DatabaseError:
-        return {}
-    return {name: (CommitKey.from_dict(e["key"]), CommitConfig.from_dict(e["config"]))
-            for name, e in data["commit_configs"].items()}
+    return {name: (key_type.from_dict(e["key"]), config_type.from_dict(e["config"]))
+            for name, e in data[section].items()}
 
 
 def plan_commit_keys(plan: ProfilePlan) -> list[CommitKey]:
