@@ -20,8 +20,6 @@ CASES = {
     "resident-bf16-trees": ("resident", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
     "fused-fp32-multi-block-chains": ("fused", F32, [[70, 3], [66, 12], [5, 80]], "chain"),
     "resident-fp32-chains": ("resident", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
-    "slice-bf16-trees": ("slice", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
-    "slice-fp32-chains": ("slice", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
 }
 
 

@@ -37,9 +37,7 @@ from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
 
 from .resident import RESIDENT_MAX_NODES
 
-VARIANTS = ("fused", "resident", "slice")
-SMALL_TREE_VARIANTS = ("resident", "slice")
-"""The kernels that take trees of at most `RESIDENT_MAX_NODES` nodes (their node block is the whole tree)."""
+VARIANTS = ("fused", "resident")
 DEFAULT_CONFIG_SOURCE = "bole_tune.lookup:tuned_launch"
 
 
@@ -174,8 +172,8 @@ class Planner:
             raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
         if v_split is not None and not _power_of_two(v_split):
             raise ValueError(f"v_split: expected a power of two (programs per head) or None, got {v_split!r}")
-        if variant in SMALL_TREE_VARIANTS and max_tree_size > RESIDENT_MAX_NODES:
-            raise ValueError(f"variant: {variant!r} takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
+        if variant == "resident" and max_tree_size > RESIDENT_MAX_NODES:
+            raise ValueError(f"variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
                              f"this batch has a tree of {max_tree_size}")
         if config is None:
             if device.type == "cuda":
@@ -196,11 +194,8 @@ class Planner:
         if variant == "fused":
             return Launch("fused", config, block)
         scale = heads.dk ** -0.5 if scale is None else float(scale)
-        if variant == "slice":
-            parts = heads.dv // config.b_v
-        else:
-            parts = v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v)
-        launch = Launch(variant, config, block, v_split=parts,
+        launch = Launch("resident", config, block,
+                        v_split=v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v),
                         state_split=self.policy.state_split(dtype, block),
                         sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale))
         if not check:
@@ -228,11 +223,8 @@ class Planner:
                                  f"sweep_f16={launch.sweep_f16})")
             return
         if max_tree_size > RESIDENT_MAX_NODES:
-            raise ValueError(f"launch.variant: {launch.variant!r} takes trees of at most {RESIDENT_MAX_NODES} nodes "
-                             f"per request; this batch has a tree of {max_tree_size}")
-        if launch.variant == "slice" and launch.v_split != heads.dv // launch.config.b_v:
-            raise ValueError(f"launch.v_split: the slice kernel runs dv / b_v = {heads.dv // launch.config.b_v} "
-                             f"programs per head, got {launch.v_split!r}")
+            raise ValueError(f"launch.variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per "
+                             f"request; this batch has a tree of {max_tree_size}")
         if not _power_of_two(launch.v_split) or launch.v_split * launch.config.b_v > heads.dv:
             raise ValueError(f"launch.v_split: expected a power of two with v_split * b_v <= dv = {heads.dv}, "
                              f"got {launch.v_split!r}")
@@ -249,7 +241,7 @@ class Planner:
         specialisation fails the self-check (checked once per process and specialisation; ``deep``: a
         batch deeper than the fp16 sweeps allow, checked on a chain). Inside a CUDA graph capture no
         check can run: an unchecked specialisation runs on the fused kernel."""
-        if launch.variant not in SMALL_TREE_VARIANTS or device.type != "cuda" or self.self_check is None:
+        if launch.variant != "resident" or device.type != "cuda" or self.self_check is None:
             return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
         key = (launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16, heads,
                float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)

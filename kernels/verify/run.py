@@ -11,7 +11,6 @@ from ..common import dot_precision, gram_dtype, token_head_strides
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
-from .slice import tree_verify_slice_kernel
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 
@@ -36,10 +35,6 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         kernel = tree_verify_resident_kernel[(h.hv * launch.v_split, shape.num_requests)]
         blocks = ()
         extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16}
-    elif launch.variant == "slice":
-        kernel = tree_verify_slice_kernel[(h.hv * (h.dv // config.b_v), shape.num_requests)]
-        blocks = ()
-        extra = {"STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16}
     else:
         kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}
