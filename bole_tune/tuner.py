@@ -382,8 +382,10 @@ def _result(study, key: ShapeKey | CommitKey, name: str, default) -> TuneResult:
 
 
 # the resident kernel's best tiles in the H200 lab (scripts/kernel_lab.py --resident/--resident-cand,
-# 9B/27B/122B at B=8-32, T=64): a 16-trial study seeded only with fused-kernel neighbours missed them
-RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1))
+# 9B/27B/122B at B=8-32, T=64): a 16-trial study seeded only with fused-kernel neighbours missed them; and
+# whole key rows per step for small trees (lab/variant_sweep.py, 9B B=1-16, T=4-32)
+RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1),
+                   KernelConfig(128, 32, 4, 2), KernelConfig(128, 64, 4, 2))
 
 
 def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:

@@ -86,6 +86,33 @@ def test_pending_mistakes_are_refused(device):
     bad = PendingPaths(tree, torch.tensor([9, 0], device=device), paths.request_map)
     with pytest.raises(ValueError, match="pending.paths.accepted: has an entry out of range"):
         tree_verify(*x.args(tree), pending=PendingCommit(bad, res), validate=True)
+    narrow = PendingPaths(tree, paths.accepted, paths.request_map, paths.path_rows[:, :8])
+    with pytest.raises(ValueError, match="pending.paths.path_rows: expected shape"):
+        tree_verify(*x.args(tree), pending=PendingCommit(narrow, res))
+    wide = PendingPaths(tree, paths.accepted, paths.request_map, paths.path_rows.long())
+    with pytest.raises(TypeError, match="pending.paths.path_rows: expected a contiguous int32"):
+        tree_verify(*x.args(tree), pending=PendingCommit(wide, res))
+
+
+@pytest.mark.parametrize("kind", ["random", "chain", "star", "forest"])
+def test_path_rows_are_the_accepted_paths(device, kind):
+    """`PendingPaths.path_rows`, worked out on the device, is each slot's root-to-accepted path as the tree's own
+    parent walk gives it, by depth, -1 past it; nothing for a request that joined, accepted -1 or out of range."""
+    rng = random.Random(3)
+    sizes = [rng.randrange(1, 30) for _ in range(6)]
+    tree = make_tree(sizes, kind, max_depth=9, seed=5, device=device)
+    accepted = [rng.randrange(size) for size in sizes]
+    accepted[1], accepted[4] = -1, sizes[4]  # nothing accepted; out of range (refused only under validate)
+    request_map = [3, -1, 0, 5, 1, 4, 2, 9]  # next round's requests: one joined, one mapped out of range
+    paths = PendingPaths(tree, torch.tensor(accepted, device=device), torch.tensor(request_map, device=device))
+    width = paths.path_rows.shape[1]
+    assert width >= 16 and width & (width - 1) == 0 and width > tree.depth
+    for r, prev in enumerate(request_map):
+        expected = [-1] * width
+        if 0 <= prev < len(sizes) and 0 <= accepted[prev] < sizes[prev]:
+            path = tree.path_to(prev, accepted[prev])
+            expected[:len(path)] = [int(tree.offsets[prev]) + node for node in path]
+        assert paths.path_rows[r].tolist() == expected, f"request {r} (previous request {prev})"
 
 
 @pytest.mark.parametrize("path", ["kernel", "fallback"])

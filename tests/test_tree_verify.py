@@ -94,7 +94,7 @@ def test_tree_verify_matches_reference(device, case, variant):
 
 def test_variant_choice():
     """The resident kernel from 512 (request bucket x head) pairs up, from 256 for trees of more than
-    32 nodes, and only for trees of at most 64 nodes."""
+    32 nodes, up to 64 for trees of at most 32 nodes, and only for trees of at most 64 nodes."""
     pick = H200_POLICY.variant
     assert (H200_POLICY.resident_min_heads, H200_POLICY.resident_min_heads_large_trees) == (512, 256)
     assert pick(16, 32, 64) == "resident"
@@ -107,6 +107,14 @@ def test_variant_choice():
     assert pick(8, 64, 8) == "resident"
     assert pick(1, 32, 64) == "fused"
     assert pick(100, 32, 1) == "resident"
+    # one or two requests of small trees: the resident kernel, its rows split over programs
+    assert (H200_POLICY.resident_max_heads_small, H200_POLICY.small_tree) == (64, 32)
+    assert pick(1, 32, 4) == "resident"
+    assert pick(2, 32, 32) == "resident"
+    assert pick(1, 64, 16) == "resident"
+    assert pick(3, 32, 8) == "fused"  # batch bucket 4
+    assert pick(1, 32, 33) == "fused"  # tree bucket 64
+    assert pick(1, 128, 8) == "fused"
 
 
 def test_resident_split():

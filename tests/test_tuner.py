@@ -149,7 +149,11 @@ def test_exhaustive_and_recording_round_trip(tmp_path):
     found = exhaustive_bucket(recorder, KEY, SPACE)
     assert len(found) == len(SPACE.configs())
     copy = ReplayRunner(tmp_path / "copy.json")
-    assert copy.measurements[KEY.text] == source.measurements[KEY.text]
+    # configs pruned before compiling (too much shared memory) never reach the runner, so the copy lacks them
+    pruned = {text for text, m in found.items() if m.status == "infeasible" and "shared memory" in m.message}
+    assert all(KernelConfig.from_text(text).b_k == 128 for text in pruned)
+    assert copy.measurements[KEY.text] == {text: m for text, m in source.measurements[KEY.text].items()
+                                           if text not in pruned}
 
 
 def test_pruning_before_compile():

@@ -131,28 +131,31 @@ def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, 
 
 
 @triton.jit
-def pending_path(i_r, i_h, i_hk, map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
-                 k_scale_ptr, committed_ptr, epoch, H_V, H_K, B_T: tl.constexpr, B_P: tl.constexpr):
+def pending_path(i_r, i_h, i_hk, map_ptr, path_rows_ptr, logp_ptr, k_scale_ptr, committed_ptr, epoch, H_V, H_K,
+                 B_P: tl.constexpr):
     """The previous round's accepted path of request ``i_r``'s slot, to fold into its state before this round
-    reads it: ``map_ptr[i_r]`` is the previous round's request of that slot (-1: nothing pending), ``B_P`` at
-    least the previous trees' depth + 1. Returns (rows, mask, weights, decay ``P_a``, pending); a request
-    with nothing pending (or an accepted node out of range, or a path an earlier launch committed: its mark in
+    reads it: ``map_ptr[i_r]`` is the previous round's request of that slot (-1: nothing pending) and
+    ``path_rows_ptr`` the ``[B, B_P]`` table of its path's packed rows by depth (`PendingPaths.path_rows`, -1
+    past the accepted node). Returns (rows, mask, weights ``exp(logP_a - logP_j) * k_scale_j``, decay ``P_a``,
+    pending); a request with nothing pending (or a path an earlier launch committed: its mark in
     ``committed_ptr`` is neither 0 nor this launch's ``epoch``) gets weights 0 and decay 1, an exact no-op;
-    the others are marked committed with ``epoch``."""
+    the others are marked committed with ``epoch``. Two dependent loads: the path, then its factors."""
     prev = tl.load(map_ptr + i_r).to(tl.int64)
     prev_safe = tl.maximum(prev, 0)
-    accepted = tl.load(accepted_ptr + prev_safe).to(tl.int64)
-    bos = tl.load(offsets_ptr + prev_safe).to(tl.int64)
-    size = tl.load(offsets_ptr + prev_safe + 1).to(tl.int64) - bos
+    rows = tl.load(path_rows_ptr + i_r * B_P + tl.arange(0, B_P)).to(tl.int64)
     mark = tl.load(committed_ptr + prev_safe)
-    pending = (prev >= 0) & (accepted >= 0) & (accepted < size) & ((mark == 0) | (mark == epoch))
+    m_p = rows >= 0
+    row_a = tl.max(rows, axis=0)  # the accepted node: a path's rows grow with depth (parents come first)
+    pending = (prev >= 0) & (row_a >= 0) & ((mark == 0) | (mark == epoch))
     tl.store(committed_ptr + prev_safe, epoch, mask=pending)
-    accepted = tl.where(pending, accepted, 0)
-    rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, logp_ptr,
-                                             k_scale_ptr, H_V, H_K, B_T, B_P)
-    weight = tl.where(pending, weight, 0.0)
+    rows = tl.where(m_p, rows, 0)
+    logp_a = tl.load(logp_ptr + tl.maximum(row_a, 0) * H_V + i_h)
+    logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
+    scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
+    m_p = m_p & pending
+    weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
     decay = tl.where(pending, tl.exp(logp_a), 1.0)
-    return rows, m_p & pending, weight, decay, pending
+    return rows, m_p, weight, decay, pending
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from bole_tune.tree import TreeBatch
 
 from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, require_shape, require_tensor,
                       slot_checks, validation_enabled)
-from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
+from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape, path_width
 
 
 def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate) -> VerifyShape:
@@ -137,12 +137,21 @@ def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | N
                   "[B] (the previous round's request of each slot, or -1)")
     require_shape("pending.paths.accepted", paths.accepted, (paths.tree.num_requests,),
                   "[B_prev] (one node per request of the previous round)")
+    if not isinstance(paths.path_rows, torch.Tensor):
+        raise TypeError("pending.paths.path_rows: missing (build the paths with PendingPaths(tree, accepted, "
+                        "request_map) or PendingPaths.between_rounds)")
+    width = path_width(paths.tree)
+    require_shape("pending.paths.path_rows", paths.path_rows, (shape.num_requests, width),
+                  f"[B, {width}] (each request's pending path by depth)")
+    if paths.path_rows.dtype != torch.int32 or not paths.path_rows.is_contiguous():
+        raise TypeError(f"pending.paths.path_rows: expected a contiguous int32 tensor, got {paths.path_rows.dtype}")
     require_shape("pending.result.u", prev.u, (paths.tree.num_nodes, h.hv, h.dv), "[N_prev, Hv, dv]")
     require_shape("pending.result.k", prev.k, (paths.tree.num_nodes, h.hk, h.dk), "[N_prev, Hk, dk]")
     for name, x in (("request_map", paths.request_map), ("accepted", paths.accepted)):
         if x.dtype not in INDEX_DTYPES:
             raise TypeError(f"pending.paths.{name}: dtype {x.dtype}; expected int32 or int64")
     for name, x in (("paths.request_map", paths.request_map), ("paths.accepted", paths.accepted),
+                    ("paths.path_rows", paths.path_rows),
                     ("result.u", prev.u), ("paths.tree", paths.tree.offsets)):
         if x.device != device:
             raise ValueError(f"pending.{name}: on device {x.device} but the inputs are on {device}")

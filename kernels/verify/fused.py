@@ -37,8 +37,7 @@ def tree_verify_fused_kernel(
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
-    fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
-    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, max_blocks, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -47,7 +46,7 @@ def tree_verify_fused_kernel(
     # sizes and meta-parameters
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
+    FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -64,8 +63,8 @@ def tree_verify_fused_kernel(
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
-            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch, H_V, H_K, B_TP, B_P)
+            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+            H_V, H_K, B_P)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):
         o_i = i_b * B_T + tl.arange(0, B_T)

@@ -50,6 +50,11 @@ class LaunchPolicy:
         beats the fused kernel (B=16 T=64: 63 against 87 us; T=16: 23 against 26 us).
     resident_min_heads_large_trees, large_tree: from 256 heads it wins on trees of more than 32 nodes
         (B=8 T=64: 32 against 45 us), but not on small ones (B=8 T=8: 13.5 against 12.1 us).
+    resident_max_heads_small, small_tree: at most this many heads (one or two 9B requests) the resident kernel
+        also runs trees of at most ``small_tree`` nodes, its head's rows split over programs, with whole key rows
+        per step (b_k = 128, a tile the tuner's space gained in the same change): 9B B=1 4-chain 5.7 against
+        6.8 us, B=1 T=16 6.2 against 8.5, B=2 T=16 7.0 against 8.0; from four requests the fused kernel keeps
+        its place (B=4 T=8 8.9 us, resident no better), and at B=1 T=64 the fused kernel stays ahead.
     resident_target_programs: the resident kernel splits a head's value rows over 2, 4, ... programs
         while a launch has fewer programs than this (9B B=1 T=64: 4 parts 17.4 us, one 24.8 us; at
         B=4, 128 programs, 2 parts gain nothing).
@@ -64,6 +69,8 @@ class LaunchPolicy:
     resident_min_heads: int = 512
     resident_min_heads_large_trees: int = 256
     large_tree: int = 32
+    resident_max_heads_small: int = 64
+    small_tree: int = 32
     resident_target_programs: int = 128
     state_split_min_block: int = 64
     sweep_f16_max_depth: int = 12
@@ -74,8 +81,9 @@ class LaunchPolicy:
         runs on the kernel it was tuned for."""
         heads, size = batch_bucket(num_requests) * hv, tree_bucket(max_tree_size)
         if max_tree_size <= RESIDENT_MAX_NODES and (
-                heads >= self.resident_min_heads or (heads >= self.resident_min_heads_large_trees
-                                                     and size > self.large_tree)):
+                heads >= self.resident_min_heads
+                or (heads >= self.resident_min_heads_large_trees and size > self.large_tree)
+                or (heads <= self.resident_max_heads_small and size <= self.small_tree)):
             return "resident"
         return "fused"
 

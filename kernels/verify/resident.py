@@ -46,8 +46,7 @@ def tree_verify_resident_kernel(
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
-    fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr, fold_depth_ptr,
-    fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -58,7 +57,7 @@ def tree_verify_resident_kernel(
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False,
-    FOLD: tl.constexpr = False, B_TP: tl.constexpr = 16, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
+    FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -121,8 +120,8 @@ def tree_verify_resident_kernel(
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
-            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch, H_V, H_K, B_TP, B_P)
+            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+            H_V, H_K, B_P)
     for i_v in range(0, D_V // V_SPLIT, B_V):
         o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
         b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import triton
-
-from bole_tune.config import node_block
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype, token_head_strides
@@ -38,15 +35,14 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     else:
         kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}
-    if pending is None:  # the fold's pointers are unused: any tensors do
-        fold = (tree.offsets,) * 6 + (res.u, res.log_decay, res.k, res.k_scale, res.committed, 0)
+    if pending is None:  # the fold's pointers are never read: None keeps the launch short
+        fold = (None,) * 7 + (0,)
         extra.update(FOLD=False)
     else:
         paths, prev = pending.paths, pending.result
-        fold = (paths.request_map, paths.accepted, paths.tree.offsets, paths.tree.dfs_enter, paths.tree.dfs_exit,
-                paths.tree.node_depth, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed, commit_epoch())
-        extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_TP=node_block(paths.tree.max_tree_size),
-                     B_P=max(16, triton.next_power_of_2(paths.tree.depth + 1)))
+        fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
+                commit_epoch())
+        extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=paths.path_rows.shape[1])
     kernel(
         q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
