@@ -2,7 +2,9 @@
 timing only), and the resident kernel's folded round with 128-wide key chunks. 9B heads, bf16, CUDA graphs.
 
 Ablations (each a copy of kernels/verify/resident.py with one part of the fold replaced):
-  nopath:   the previous round's path is not searched (fixed rows and weights instead of `pending_path`)
+  nopath:   the previous round's path is not read (fixed rows and weights instead of `pending_path`; the figures
+            in benchmarks/h200-2026-12-01c/ablation.json are from commit fc3fac6, when the kernel still searched
+            the previous tree for the path)
   noprod:   the fold's product is skipped (the tile is only scaled)
   nostore:  the folded tile is not written back
   none:     all three (the fold reduced to scaling the tile in registers)
@@ -32,8 +34,8 @@ CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 64, "random"), (1, 4, "chain")
 CONFIGS = [KernelConfig(128, b_v, w, s) for b_v in (32, 64) for w in (2, 4) for s in (2, 3)]
 
 PATH = """        rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_accepted_ptr, fold_offsets_ptr, fold_enter_ptr, fold_exit_ptr,
-            fold_depth_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch, H_V, H_K, B_TP, B_P)"""
+            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+            H_V, H_K, B_P)"""
 NO_PATH = """        rows_p = tl.arange(0, B_P).to(tl.int64)
         m_p = rows_p < 4
         weight_p = tl.where(m_p, 0.5, 0.0)
