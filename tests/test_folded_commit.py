@@ -94,12 +94,17 @@ def test_pending_mistakes_are_refused(device):
         tree_verify(*x.args(tree), pending=PendingCommit(wide, res))
 
 
+@pytest.mark.parametrize("how", ["kernel", "torch"])
 @pytest.mark.parametrize("kind", ["random", "chain", "star", "forest"])
-def test_path_rows_are_the_accepted_paths(device, kind):
-    """`PendingPaths.path_rows`, worked out on the device, is each slot's root-to-accepted path as the tree's own
-    parent walk gives it, by depth, -1 past it; nothing for a request that joined, accepted -1 or out of range."""
+def test_path_rows_are_the_accepted_paths(device, kind, how, monkeypatch):
+    """`PendingPaths.path_rows`, worked out on the device (one Triton launch, or torch operations without
+    Triton), is each slot's root-to-accepted path as the tree's own parent walk gives it, by depth, -1 past it;
+    nothing for a request that joined, accepted -1 or out of range. Trees up to 150 nodes: several search steps."""
+    if how == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device = "cpu"
     rng = random.Random(3)
-    sizes = [rng.randrange(1, 30) for _ in range(6)]
+    sizes = [rng.randrange(1, 30) for _ in range(5)] + [150]
     tree = make_tree(sizes, kind, max_depth=9, seed=5, device=device)
     accepted = [rng.randrange(size) for size in sizes]
     accepted[1], accepted[4] = -1, sizes[4]  # nothing accepted; out of range (refused only under validate)

@@ -12,7 +12,8 @@ from bole_tune.tree import TreeBatch
 
 from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, require_shape, require_tensor,
                       slot_checks, validation_enabled)
-from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape, path_width
+from .pending import path_width
+from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
 
 
 def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate) -> VerifyShape:

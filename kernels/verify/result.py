@@ -10,6 +10,8 @@ import torch
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
+from .pending import pending_path_rows
+
 
 @dataclass
 class TreeVerifyResult:
@@ -44,8 +46,9 @@ class PendingPaths:
     path_rows: ``[B, width]`` int32, for each request of the next round the packed rows (in ``tree``) of its
     slot's pending path by depth (root first), -1 past the accepted node and for a request with nothing
     pending; ``width`` a power of two >= 16 above ``tree.depth``. Worked out on the device from the other
-    fields when not given (a few tensor operations, once per round for all layers), so the verify kernels
-    read a path instead of searching the tree for it. Build new paths after changing ``accepted``.
+    fields when not given (`pending.pending_path_rows`: one launch, once per round for all layers), so the
+    verify kernels read a path instead of searching the tree for it. Build new paths after changing
+    ``accepted``.
     """
 
     tree: TreeBatch
@@ -66,34 +69,6 @@ class PendingPaths:
         inverse = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         inverse[state_indices.long()] = torch.arange(len(state_indices), dtype=torch.int32, device=device)
         return cls(tree, accepted, inverse[next_state_indices.long()])
-
-
-def path_width(tree: TreeBatch) -> int:
-    """Columns of `PendingPaths.path_rows`: a power of two >= 16 that holds the deepest path (depth + 1 nodes)."""
-    return max(16, 1 << tree.depth.bit_length())
-
-
-def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torch.Tensor) -> torch.Tensor:
-    """`PendingPaths.path_rows` on the device, without a host synchronisation: a node is on request r's path
-    when r's accepted node lies in its depth-first interval; it goes to column ``depth``. An accepted node out
-    of range, or a request_map entry out of range, gives an empty path (nothing is committed)."""
-    device, width = tree.device, path_width(tree)
-    b, n = tree.num_requests, tree.num_nodes
-    offsets = tree.offsets.long()
-    sizes = offsets[1:] - offsets[:-1]
-    acc = accepted.to(device).long()
-    valid = (acc >= 0) & (acc < sizes)
-    request = torch.repeat_interleave(torch.arange(b, device=device), sizes, output_size=n)
-    enter, leave = tree.dfs_enter.long(), tree.dfs_exit.long()
-    enter_a = enter[offsets[:-1] + torch.where(valid, acc, 0)][request]
-    on_path = valid[request] & (enter <= enter_a) & (enter_a <= leave)
-    column = torch.where(on_path, request * width + tree.node_depth.long(), b * width)
-    table = torch.full((b * width + 1,), -1, dtype=torch.int32, device=device)
-    table.scatter_(0, column, torch.arange(n, dtype=torch.int32, device=device))  # off-path nodes land on the spare
-    table = table[:-1].view(b, width)
-    prev = request_map.to(device).long()
-    joined = (prev < 0) | (prev >= b)
-    return torch.where(joined[:, None], -1, table[torch.where(joined, 0, prev)]).to(torch.int32)
 
 
 @dataclass(frozen=True)
