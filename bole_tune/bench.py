@@ -21,7 +21,7 @@ from bole_tune import __version__
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, serial_verify, tree_commit,
                                tree_commit_layers, tree_verify)
-from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.reference import commit_closed_form, verify_reference
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape, dtype_name
 from bole_tune.timing import Timing, l2_cache_bytes, rotation_count, time_eager_host, time_launches
@@ -84,7 +84,7 @@ class CaseBench:
         self._sets = {}
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None,
-               tuned_on: str | None = None) -> Launch:
+               tuned_on: str | None = None, fold: bool = False) -> Launch:
         """The launch `tree_verify` runs for this case: the planner's, for the full batch (``config=None``:
         the database's; ``tuned_on``: the kernel a given config was tuned on). A resident launch whose
         self-check fails comes back on the fused kernel with ``fallback`` set, as `tree_verify` would run it.
@@ -93,7 +93,7 @@ class CaseBench:
         tree = self.sets(64)[0]
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
                             depth=max(tree.depth, self.reference()[0].depth), device=self.device, config=config,
-                            variant=variant, tuned_on=tuned_on)
+                            variant=variant, tuned_on=tuned_on, fold=fold)
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
@@ -123,6 +123,26 @@ class CaseBench:
             raise WrongResult(f"{getattr(verify, '__name__', verify)} with {launch} is wrong on {self.case}: "
                               f"relative error {error:.2e} > {bound:.0e}")
         return error
+
+    def fold_errors(self, launch: Launch | None = None) -> tuple[float, float]:
+        """The folded launch (``tree_verify(..., pending=...)`` with ``launch``) on the reference instance, folding
+        in a first round's paths to each request's deepest node: (its outputs' relative error against the
+        float64 reference run on the committed pool, its committed slots' against `commit_closed_form` of the
+        same factors)."""
+        tree, x, _ = self.reference()
+        launch = launch or self.launch()
+        pool, slots = x.state.clone(), x.state_indices
+        first = tree_verify(*x.args(tree), validate=False, launch=launch)
+        accepted = self.deepest(tree)
+        expected = pool.clone()
+        commit_closed_form(expected, slots, first, accepted, validate=False)
+        first.committed.zero_()
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, expected, slots, tree, keep_states=False)
+        paths = PendingPaths.between_rounds(tree, accepted, slots, slots, pool.shape[0])
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, validate=False, launch=launch,
+                          pending=PendingCommit(paths, first))
+        used = slots.long()
+        return relative_error(res.o, ref.o), relative_error(pool[used], expected[used])
 
     # timing -----------------------------------------------------------------------------------
     def sets(self, most: int):
@@ -173,18 +193,12 @@ class CaseBench:
 
         return time_launches(launch, len(inputs), self.device, repeats=repeats)
 
-    def time_rounds(self, layers: int, repeats: int = 50) -> dict[str, Timing]:
-        """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
-
-        round_verify_commit: `tree_verify` then `tree_commit` (two launches a layer);
-        round_folded: `tree_verify` committing the previous round's paths of the same slots (one launch);
-        tree_commit_layers: one commit launch for ``layers`` layers, per layer (one set: the layers'
-            states already exceed the L2 cache);
-        round_serial: `serial_verify` then a copy of one state per request, what a snapshot engine's commit
-            is (a copy of the accepted node's snapshot into the slot).
-        """
+    def time_folded(self, launch: Launch | None = None, repeats: int = 50) -> Timing:
+        """The folded round: ``tree_verify(..., pending=...)`` committing the previous round's paths (each
+        request's deepest node) of the same slots, one launch a layer. Each call first zeroes the previous
+        result's commit marks (a fresh previous round each time; a memset an engine does not pay)."""
         tree, pool, inputs, slots = self.sets(64)
-        launch, accepted = self.launch(), self.deepest(tree)
+        launch, accepted = launch or self.launch(fold=True), self.deepest(tree)
         previous = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
                     for i, x in enumerate(inputs)]
         outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
@@ -192,18 +206,35 @@ class CaseBench:
         pending = [PendingCommit(PendingPaths.between_rounds(tree, accepted, slots[i], slots[i], pool.shape[0]),
                                  previous[i]) for i in range(len(inputs))]
 
+        def folded(i):
+            x = inputs[i]
+            previous[i].committed.zero_()
+            tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i], pending=pending[i])
+
+        return time_launches(folded, len(inputs), self.device, repeats=repeats)
+
+    def time_rounds(self, layers: int, repeats: int = 50) -> dict[str, Timing]:
+        """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
+
+        round_verify_commit: `tree_verify` then `tree_commit` (two launches a layer);
+        round_folded: `time_folded` with the folded launch's own config (one launch a layer);
+        tree_commit_layers: one commit launch for ``layers`` layers, per layer (one set: the layers'
+            states already exceed the L2 cache);
+        round_serial: `serial_verify` then a copy of one state per request, what a snapshot engine's commit
+            is (a copy of the accepted node's snapshot into the slot).
+        """
+        tree, pool, inputs, slots = self.sets(64)
+        launch, accepted = self.launch(), self.deepest(tree)
+        outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
+                for i, x in enumerate(inputs)]
+
         def verify_commit(i):
             x = inputs[i]
             tree_commit(pool, slots[i], tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch,
                                                     out=outs[i]), accepted)
 
-        def folded(i):
-            x = inputs[i]
-            previous[i].committed.zero_()  # a fresh previous round each time
-            tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i], pending=pending[i])
-
         timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
-                   "round_folded": time_launches(folded, len(inputs), self.device, repeats=repeats)}
+                   "round_folded": self.time_folded(self.launch(fold=True), repeats)}
         x, h = inputs[0], self.case.shape
         stacked = LayerResults.empty(layers, tree, h, self.case.dtype, self.device)
         states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot

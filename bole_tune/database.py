@@ -67,6 +67,7 @@ size and inode; `clear_cache` forgets).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import os
@@ -111,8 +112,11 @@ class ShapeKey:
     tree_bucket: int
     batch_bucket: int
     tp: int = 1
+    fold: bool = False  # the folded verify (`tree_verify(..., pending=...)`): its own tuned entries
 
     def __post_init__(self):
+        if not isinstance(self.fold, bool):
+            raise ValueError(f"ShapeKey.fold: expected True or False, got {self.fold!r}")
         if not isinstance(self.heads, HeadShape):
             raise ValueError(f"ShapeKey.heads: expected a HeadShape, got {self.heads!r}")
         if self.dtype not in DTYPES:
@@ -125,21 +129,30 @@ class ShapeKey:
             raise ValueError(f"ShapeKey.tp: expected a positive int, got {self.tp!r}")
 
     @classmethod
-    def bucketed(cls, heads: HeadShape, dtype, tree_size: int, batch: int, tp: int = 1) -> "ShapeKey":
+    def bucketed(cls, heads: HeadShape, dtype, tree_size: int, batch: int, tp: int = 1,
+                 fold: bool = False) -> "ShapeKey":
         """The key of a launch: ``dtype`` a name or a torch dtype, sizes put in their buckets."""
         name = dtype if isinstance(dtype, str) else dtype_name(dtype)
-        return cls(heads=heads, dtype=name, tree_bucket=tree_bucket(tree_size), batch_bucket=batch_bucket(batch), tp=tp)
+        return cls(heads=heads, dtype=name, tree_bucket=tree_bucket(tree_size), batch_bucket=batch_bucket(batch), tp=tp,
+                   fold=fold)
 
     @property
     def text(self) -> str:
         h = self.heads
         tp = f"-TP{self.tp}" if self.tp != 1 else ""
-        return f"Hv{h.hv}-Hk{h.hk}-dk{h.dk}-dv{h.dv}-{self.dtype}-T{self.tree_bucket}-B{self.batch_bucket}{tp}"
+        fold = "-fold" if self.fold else ""
+        return f"Hv{h.hv}-Hk{h.hk}-dk{h.dk}-dv{h.dv}-{self.dtype}-T{self.tree_bucket}-B{self.batch_bucket}{tp}{fold}"
 
     def as_dict(self) -> dict:
         h = self.heads
-        return {"hv": h.hv, "hk": h.hk, "dk": h.dk, "dv": h.dv, "dtype": self.dtype,
+        data = {"hv": h.hv, "hk": h.hk, "dk": h.dk, "dv": h.dv, "dtype": self.dtype,
                 "tree_bucket": self.tree_bucket, "batch_bucket": self.batch_bucket, "tp": self.tp}
+        return {**data, "fold": True} if self.fold else data
+
+    @property
+    def verify_key(self) -> "ShapeKey":
+        """The same bucket's key for the verify alone (itself when not folded)."""
+        return dataclasses.replace(self, fold=False) if self.fold else self
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "key") -> "ShapeKey":
@@ -148,6 +161,9 @@ class ShapeKey:
         values = {name: _positive_int(data.get(name), f"{where}.{name}")
                   for name in ("hv", "hk", "dk", "dv", "tree_bucket", "batch_bucket")}
         values["tp"] = _positive_int(data.get("tp", 1), f"{where}.tp")
+        values["fold"] = data.get("fold", False)
+        if not isinstance(values["fold"], bool):
+            raise DatabaseError(f"{where}.fold: expected true or false, got {values['fold']!r}")
         try:
             heads = HeadShape(hk=values.pop("hk"), hv=values.pop("hv"), dk=values.pop("dk"), dv=values.pop("dv"))
             return cls(heads=heads, dtype=data.get("dtype"), **values)

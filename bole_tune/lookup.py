@@ -23,10 +23,16 @@ the untuned fallback `bole_tune.config.default_commit_config` (the rule the comm
 was tuned), *silently*: the fallback is a sound launch, not a degraded mode, and a database tuned before
 commits were tuned (the shipped one until the H200 is profiled again) must not warn on every new shape.
 ``bole-tune lookup --commit`` says which it took and why.
+
+**The folded verify** (``tree_verify(..., pending=...)``: the previous round's commit in the same launch) has
+entries of its own (keys ending in ``-fold``, `ShapeKey.fold`; ``bole-tune tune --fold``): its best tiles need
+not be the verify's. Where its bucket has none it runs the config of the same bucket's verify (as that lookup
+decides it), silently: it is what the folded launch ran before it was tuned apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -50,7 +56,7 @@ class Decision:
     """What the runtime picked and why."""
 
     config: KernelConfig
-    how: str  # "exact", "nearest", "default"
+    how: str  # "exact", "nearest", "default"; "verify": a folded verify's key served by its bucket's verify entry
     reason: str
     key: ShapeKey
     source: str = ""  # the database file of the entry used
@@ -85,16 +91,21 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, directory=None) ->
     # heads per rank fix the kernel's shape: an entry tuned under any tensor-parallel degree serves it,
     # one tuned under the same degree first
     same = [(other, name, entry) for other, name, entry in tuned
-            if (other.heads, other.dtype, other.tree_bucket, other.batch_bucket)
-            == (key.heads, key.dtype, key.tree_bucket, key.batch_bucket)]
+            if (other.heads, other.dtype, other.tree_bucket, other.batch_bucket, other.fold)
+            == (key.heads, key.dtype, key.tree_bucket, key.batch_bucket, key.fold)]
     if same:
         other, name, entry = next((s for s in same if s[0].tp == key.tp), same[0])
         return _from_entry(entry, found.source("configs", name), key, "exact", f"tuned for this bucket ({found.where})")
+    if key.fold:  # a folded verify not tuned on its own runs what the verify of its bucket runs
+        decision = decide(key.verify_key, slug, mode, directory)
+        return dataclasses.replace(decision, key=key, how="verify" if decision.how == "exact" else decision.how,
+                                   reason=f"the folded verify is not tuned for this bucket: the verify's config, "
+                                          f"{decision.reason}")
     if mode == "strict":
         raise LookupError(f"BOLE_TUNE_LOOKUP=strict: no tuned config for {key.text} on {slug} ({found.where})")
     candidates = []
     for other, name, entry in tuned:
-        if (other.heads, other.dtype) != (key.heads, key.dtype):  # same heads, head sizes and dtype; any tp
+        if (other.heads, other.dtype) != (key.heads, key.dtype) or other.fold:  # same heads and dtype; any tp
             continue
         if not KernelConfig.from_dict(entry["config"]).fits(key.heads.dk, key.heads.dv):
             continue
@@ -138,12 +149,13 @@ def _device_slug(device: torch.device) -> str:
 
 
 def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_requests: int,
-                 device: torch.device) -> tuple[KernelConfig, str | None]:
-    """(config, the kernel variant it was tuned on or None) for ``tree_verify(config=None)``.
+                 device: torch.device, fold: bool = False) -> tuple[KernelConfig, str | None]:
+    """(config, the kernel variant it was tuned on or None) for ``tree_verify(config=None)`` (``fold``: with
+    ``pending=``, whose entries are tuned apart and fall back to the verify's).
 
     Cached per device and bucket; off a CUDA device (no tuned binaries) the safe default.
     """
-    cache_key = (device.index, heads.hk, heads.hv, heads.dk, heads.dv, dtype, max_tree_size, num_requests)
+    cache_key = (device.index, heads.hk, heads.hv, heads.dk, heads.dv, dtype, max_tree_size, num_requests, fold)
     launch = _cache.get(cache_key)
     if launch is not None:
         return launch
@@ -153,7 +165,7 @@ def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_r
         config = default_config(heads.dk, heads.dv)
     else:
         key = ShapeKey(heads=heads, dtype=dtype_name(dtype), tree_bucket=tree_bucket(max_tree_size),
-                       batch_bucket=batch_bucket(num_requests))
+                       batch_bucket=batch_bucket(num_requests), fold=bool(fold))
         slug = _device_slug(device)
         try:
             decision = decide(key, slug, mode)
@@ -170,7 +182,8 @@ def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_r
 def _warn_once(decision: Decision, slug: str) -> None:
     """One warning per bucket that had no exact entry (not per call), and one per stale database."""
     token = (slug, decision.key.text)
-    if decision.how != "exact" and not decision.reason.startswith("BOLE_TUNE_LOOKUP") and token not in _warned:
+    if decision.how not in ("exact", "verify") and not decision.reason.startswith("BOLE_TUNE_LOOKUP") \
+            and token not in _warned:
         _warned.add(token)
         warnings.warn(f"bole-tune: no tuned config for {decision.key.text} on {slug}; using the "
                       f"{decision.how} one ({decision.config}): {decision.reason}", stacklevel=4)

@@ -93,6 +93,7 @@ class ProfilePlan:
     commit_batches: tuple | None = None
     commit_tree_sizes: tuple | None = None
     commit_trials: int = COMMIT_TRIALS
+    fold: bool = False  # tune the folded verify (tree_verify with pending=) instead of the verify
 
     def commit_grid(self) -> tuple[tuple, tuple]:
         """(batches, tree sizes) the commit is tuned at."""
@@ -107,7 +108,7 @@ class ProfilePlan:
 
 def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False, batches=None, tree_sizes=None,
               trials: int | None = None, repeats: int = 30, curve_batches=None, curve_tree_sizes=None,
-              serial: bool = True, commit: bool = False) -> ProfilePlan:
+              serial: bool = True, commit: bool = False, fold: bool = False) -> ProfilePlan:
     """A checked plan from a user's choices (`DEFAULT_MODELS` when ``models`` is None; ``quick``: the small
     grid, 16 trials, and 12 per commit study). ``commit``: the plan of a commit-only tuning (``tune --commit``:
     ``--trials`` counts commit trials, and ``quick`` tunes the commit at every batch bucket and trees up to 64
@@ -132,7 +133,7 @@ def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False
                        tune_tree_sizes=tuple(tree_sizes or (QUICK_TREE_SIZES if quick else TREE_BUCKETS)),
                        curve_batches=tuple(curve_batches or batches or ()) or None,
                        curve_tree_sizes=tuple(curve_tree_sizes or tree_sizes or ()) or None,
-                       n_trials=trials, repeats=repeats, serial=serial)
+                       n_trials=trials, repeats=repeats, serial=serial, fold=fold)
 
 
 @dataclass(frozen=True)
@@ -563,7 +564,7 @@ def plan_keys(plan: ProfilePlan) -> list[ShapeKey]:
         heads = model.heads(plan.tp)
         for size in plan.tune_tree_sizes:
             for batch in plan.tune_batches:
-                key = ShapeKey.bucketed(heads, plan.dtype, size, batch, plan.tp)
+                key = ShapeKey.bucketed(heads, plan.dtype, size, batch, plan.tp, fold=plan.fold)
                 if key not in keys:
                     keys.append(key)
     return keys

@@ -108,17 +108,30 @@ class GPURunner:
         return self._guarded(key, config, self._measure_verify)
 
     def _measure_verify(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        """A verify config, or with ``key.fold`` the folded verify's (its outputs against the float64 reference
+        on the committed pool, its committed slots against `commit_closed_form`; then the folded round timed)."""
+        from bole_tune.commit_bench import COMMIT_TOLERANCE
+
         bench = self.bench(key)
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
             warnings.simplefilter("ignore", UserWarning)
-            launch = bench.launch(config)
+            launch = bench.launch(config, fold=key.fold)
         if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
             return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
-        error = bench.error(tree_verify, launch)
+        if key.fold:
+            error, state_error = bench.fold_errors(launch)
+            if not state_error <= COMMIT_TOLERANCE:
+                return Measurement("wrong", rel_error=state_error,
+                                   message=f"folded state: relative error {state_error:.2e} against commit_closed_form")
+        else:
+            error = bench.error(tree_verify, launch)
         if not error <= accepted_error(torch_dtype(key.dtype)):
             return Measurement("wrong", rel_error=error,
                                message=f"relative error {error:.2e} against the float64 reference")
-        timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)
+        if key.fold:
+            timing = bench.time_folded(launch, repeats=self.repeats)
+        else:
+            timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)
         return Measurement("ok", timing.p20_us, timing.p50_us, timing.p80_us, error, method=timing.method)
 
     def _measure_commit(self, key: CommitKey, config: CommitConfig) -> Measurement:

@@ -8,7 +8,8 @@ profiler, the precompiler and the tuner's runner all ask it, so what is timed an
 runs.
 
 Tuned configs come from a *config source*: a function ``(heads, dtype, max_tree_size, num_requests,
-device) -> (KernelConfig, variant tuned on or None)``. The kernels do not read the tuning database
+device[, fold]) -> (KernelConfig, variant tuned on or None)`` (``fold=True`` for a launch that folds the
+previous round's commit in, where the source takes that keyword). The kernels do not read the tuning database
 themselves; the default source is `DEFAULT_CONFIG_SOURCE`, a module path resolved the first time a
 launch on a GPU asks for a tuned config (the database layer, which sits above the kernels). Tests and
 engines pass their own with `Planner(config_source=...)`.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -154,6 +156,7 @@ class Planner:
         self._config_source = config_source
         self.self_check = self_check
         self.checks: dict[tuple, tuple[float, float]] = {}
+        self._fold_source, self._fold_takes = None, False
 
     @property
     def config_source(self) -> Callable:
@@ -162,10 +165,21 @@ class Planner:
             self._config_source = getattr(importlib.import_module(module), name)
         return self._config_source
 
+    def _source_takes_fold(self) -> bool:
+        """Whether the config source takes ``fold`` (looked up once per source: a signature costs host time)."""
+        source = self.config_source
+        if self._fold_source is not source:
+            try:
+                takes = "fold" in inspect.signature(source).parameters
+            except (TypeError, ValueError):  # a callable without a signature: asked as for the verify
+                takes = False
+            self._fold_source, self._fold_takes = source, takes
+        return self._fold_takes
+
     def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
              tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True, gate_dtype: torch.dtype = torch.float32,
-             check: bool = True) -> Launch:
+             check: bool = True, fold: bool = False) -> Launch:
         """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
@@ -173,7 +187,9 @@ class Planner:
         variant: force "fused" or "resident". tuned_on: the kernel a given ``config`` was tuned on, followed
             (without a forced variant) where that kernel takes the batch. v_split: force the resident kernel's
             value split (a power of two with ``v_split * b_v <= dv``). check: run the resident self-check (a
-            launch that fails it comes back on the fused kernel with ``fallback`` set).
+            launch that fails it comes back on the fused kernel with ``fallback`` set). fold: the launch folds the
+            previous round's commit in (``pending=``): the config source is asked for that launch's own tuned
+            config (``fold=True``; a source without that keyword is asked as for the verify).
         """
         device = torch.device(device)
         if variant is not None and variant not in VARIANTS:
@@ -185,7 +201,8 @@ class Planner:
                              f"this batch has a tree of {max_tree_size}")
         if config is None:
             if device.type == "cuda":
-                config, tuned_on = self.config_source(heads, dtype, max_tree_size, num_requests, device)
+                extra = {"fold": True} if fold and self._source_takes_fold() else {}
+                config, tuned_on = self.config_source(heads, dtype, max_tree_size, num_requests, device, **extra)
             else:
                 config = default_config(heads.dk, heads.dv)
         if variant is None and tuned_on in VARIANTS and (tuned_on == "fused" or max_tree_size <= RESIDENT_MAX_NODES):

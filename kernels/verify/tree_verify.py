@@ -69,7 +69,7 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
                               max_tree_size=tree.max_tree_size, depth=tree.depth, device=q.device, config=config,
                               variant=variant, v_split=v_split, scale=shape.scale,
-                              use_qk_l2norm=bool(use_qk_l2norm), gate_dtype=g.dtype)
+                              use_qk_l2norm=bool(use_qk_l2norm), gate_dtype=g.dtype, fold=pending is not None)
     else:
         if (config, variant, v_split) != (None, None, None):
             raise ValueError("launch: give either a launch or config/variant/v_split, not both")
