@@ -94,7 +94,7 @@ def cmd_env(args) -> int:
     return 0
 
 
-def _plan(args, runner_kind: str, commit: bool = False):
+def _plan(args, runner_kind: str, commit: bool = False, fold: bool = False):
     """`profile`'s or `tune`'s plan and search space (``commit``: the commit's only, for ``tune --commit``);
     output paths, --trials and --workers checked first."""
     from bole_tune.profiler import make_plan, plan_keys
@@ -104,7 +104,7 @@ def _plan(args, runner_kind: str, commit: bool = False):
     _call(check_outputs, args, db_dir=True, record=False)
     plan = _call(make_plan, args.model, args.dtype, args.tp, args.quick, args.batch, args.tree_size, args.trials,
                  args.repeats, getattr(args, "curve_batch", None), getattr(args, "curve_tree_size", None),
-                 serial=not getattr(args, "no_serial", False), commit=commit)
+                 serial=not getattr(args, "no_serial", False), commit=commit, fold=fold)
     if commit:
         if args.workers is not None:
             raise UsageError("--workers: the commit is tuned in this process (its studies take seconds); "
@@ -155,7 +155,9 @@ def cmd_tune(args) -> int:
     from bole_tune.profiler import exhaustive, tune, tune_commit
     from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
 
-    plan, space = _plan(args, "replay" if args.replay else "gpu", commit=args.commit)
+    if args.fold and args.commit:
+        raise UsageError("--fold: tunes the folded verify; --commit the commit: give one of them")
+    plan, space = _plan(args, "replay" if args.replay else "gpu", commit=args.commit, fold=args.fold)
     if args.record and not args.exhaustive:
         raise UsageError("--record: only with --exhaustive (tuning workers record into the Optuna storage)")
     if args.replay:
@@ -167,7 +169,8 @@ def cmd_tune(args) -> int:
     if args.record:
         runner = RecordingRunner(runner, args.record)
     db_path = _call(database.database_path, runner.fingerprint().slug, args.db_dir)
-    what = "the commit (tree_commit, tree_commit_layers)" if args.commit else "tree_verify"
+    what = ("the commit (tree_commit, tree_commit_layers)" if args.commit
+            else "the folded verify (tree_verify with pending=)" if args.fold else "tree_verify")
     console.print(f"[bold]bole-tune tune[/] {what} with {runner.name} -> {db_path}")
     with render.progress_bar(console) as bar:
         if args.exhaustive:
@@ -228,12 +231,14 @@ def cmd_lookup(args) -> int:
         raise UsageError(f"--hv {args.hv} must be a multiple of --hk {args.hk}")
     if args.layers is not None and not args.commit:
         raise UsageError("--layers: only with --commit (the layers one commit launch covers)")
+    if args.fold and args.commit:
+        raise UsageError("--fold: the folded verify's config; --commit the commit's: give one of them")
     slug = args.gpu or fingerprint().slug
     try:
         heads = HeadShape(hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv).per_rank(args.tp)
     except ValueError as error:
         raise UsageError(f"--tp: {str(error).removeprefix('tp: ')}") from None
-    key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp)
+    key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp, fold=args.fold)
     mode = args.policy or _call(policy)
     if args.commit:
         commit_key = database.CommitKey(shape=key, layers=args.layers or 1)
@@ -371,14 +376,17 @@ COMMANDS = {
     "tune": (cmd_tune, "tune tile configs per bucket (no curves)",
              "Run the Optuna studies only. --exhaustive measures every config instead (the yardstick); --record "
              "FILE saves every measurement; --replay FILE runs the tuner on recorded measurements (no GPU needed). "
-             "--commit tunes the commit's launches instead of tree_verify's.",
+             "--commit tunes the commit's launches instead of tree_verify's; --fold the folded verify's "
+             "(tree_verify with pending=).",
              {**TUNING, "--exhaustive": {**FLAG, "help": "measure every config of the search space"},
               "--record": {"type": Path, "help": "write every measurement to this JSON file"},
               "--replay": {"type": Path, "help": "answer from a recording instead of the GPU"},
               "--replay-delay": {"type": seconds, "default": 0.0, "help": "seconds each replayed measurement takes"},
               "--commit": {**FLAG, "help": "tune the commit (tree_commit, and tree_commit_layers over all of the "
                                            "model's GDN layers) instead of tree_verify, in this process; --trials "
-                                           "counts commit trials (default 24, 12 with --quick)"}}),
+                                           "counts commit trials (default 24, 12 with --quick)"},
+              "--fold": {**FLAG, "help": "tune the folded verify (tree_verify with pending=: the previous round's "
+                                         "commit in the same launch; keys end in -fold) instead of tree_verify"}}),
     "show": (cmd_show, "render the tuning database the runtime reads (rich tables, or --json)",
              "The tuned configs, curves and budgets of one GPU, merged from the folders the runtime reads "
              "(bole_tune.database), or of one --file.",
@@ -394,6 +402,7 @@ COMMANDS = {
                 "--batch": {**POSITIVE, "required": True, "help": "requests in the batch"}, "--tp": TP,
                 "--policy": {"choices": ["nearest", "strict", "default"], "help": "override BOLE_TUNE_LOOKUP"},
                 "--commit": {**FLAG, "help": "the commit's config (tree_commit / tree_commit_layers) instead"},
+                "--fold": {**FLAG, "help": "the folded verify's config (tree_verify with pending=) instead"},
                 "--layers": {**POSITIVE, "help": "with --commit: layers one launch commits (default 1)"},
                 "--json": FLAG, "--db-dir": DB_DIR}),
     "env": (cmd_env, "fingerprint this machine's GPU (NVML matched by UUID / PCI bus id)",
