@@ -336,6 +336,19 @@ def precompile_candidates(runner, keys: list[ShapeKey], space: SearchSpace, prog
     return precompile(keys, configs, progress=compiled)
 
 
+def _start(runner, db_path, storage: str | None, replace_corrupt: bool):
+    """(storage URL, the runner's fingerprint, an empty `ProfileResult` with the database file's note): how a
+    tuning run begins, before anything is measured (a corrupt file raises `DatabaseError` unless
+    ``replace_corrupt``)."""
+    storage = open_storage_url(storage)
+    fp = runner.fingerprint()
+    result = ProfileResult(fp.slug, fp.name, Path(db_path), on_gpu=fp.kind == "gpu")
+    note = database.prepare(db_path, replace_corrupt)
+    if note:
+        result.notes.append(note)
+    return storage, fp, result
+
+
 def tune(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage: str | None = None,
          workers: int | None = None, sampler: str = "tpe", replace_corrupt: bool = False,
          progress: Callable | None = None) -> ProfileResult:
@@ -345,12 +358,7 @@ def tune(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage: str | 
     ``progress`` receives `Progress` reports."""
     if workers is not None and workers < 1:
         raise ValueError("--workers: must be at least 1")
-    storage = open_storage_url(storage)
-    fp = runner.fingerprint()
-    result = ProfileResult(fp.slug, fp.name, Path(db_path), on_gpu=fp.kind == "gpu")
-    note = database.prepare(db_path, replace_corrupt)
-    if note:
-        result.notes.append(note)
+    storage, fp, result = _start(runner, db_path, storage, replace_corrupt)
     if isinstance(runner, ReplayRunner):
         spec = {"kind": "replay", "path": str(Path(runner.path).resolve()), "delay": runner.delay}
         workers = workers or 1
@@ -440,12 +448,7 @@ def tune_commit(plan: ProfilePlan, runner, db_path, storage: str | None = None, 
     commit recording), written to ``db_path`` (a corrupt file there raises `DatabaseError` first, unless
     ``replace_corrupt``)."""
     space = space or SearchSpace.load(kind="commit")
-    storage = open_storage_url(storage)
-    fp = runner.fingerprint()
-    result = ProfileResult(fp.slug, fp.name, Path(db_path), on_gpu=fp.kind == "gpu")
-    note = database.prepare(db_path, replace_corrupt)
-    if note:
-        result.notes.append(note)
+    storage, fp, result = _start(runner, db_path, storage, replace_corrupt)
     result.notes.append(f"commit tuned in this process on {storage}")
     result.commit_tuned = tune_commits(plan, runner, space, db_path, storage, fp, progress, sampler=sampler)
     return result
