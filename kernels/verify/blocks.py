@@ -99,6 +99,18 @@ def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_
 
 
 @triton.jit
+def path_hits(enter_ptr, exit_ptr, depth_ptr, bos, o_j, m_j, enter_a, o_d):
+    """``[len(o_d), len(o_j)]``: local node ``o_j`` (of the request whose rows start at ``bos``; ``m_j`` the
+    nodes to look at) lies on the path from the root to the node whose pre-order number is ``enter_a`` (its
+    depth-first interval contains it), at depth ``o_d``."""
+    enter_j = tl.load(enter_ptr + bos + o_j, mask=m_j, other=0)
+    exit_j = tl.load(exit_ptr + bos + o_j, mask=m_j, other=-1)
+    depth_j = tl.load(depth_ptr + bos + o_j, mask=m_j, other=-1)
+    on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
+    return on_path[None, :] & (depth_j[None, :] == o_d[:, None])
+
+
+@triton.jit
 def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K,
                  B_T: tl.constexpr, B_P: tl.constexpr):
     """The commit's factors of the nodes at depths ``i_p * B_P ..`` on the path to ``accepted`` (a local node
@@ -115,12 +127,7 @@ def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, 
     node = tl.zeros([B_P], dtype=tl.int64)
     for j_b in range(0, accepted // B_T + 1):
         o_j = j_b * B_T + tl.arange(0, B_T)
-        m_j = o_j <= accepted
-        enter_j = tl.load(enter_ptr + bos + o_j, mask=m_j, other=0)
-        exit_j = tl.load(exit_ptr + bos + o_j, mask=m_j, other=-1)
-        depth_j = tl.load(depth_ptr + bos + o_j, mask=m_j, other=-1)
-        on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
-        hit = on_path[None, :] & (depth_j[None, :] == o_p[:, None])
+        hit = path_hits(enter_ptr, exit_ptr, depth_ptr, bos, o_j, o_j <= accepted, enter_a, o_p)
         node += tl.sum(tl.where(hit, o_j[None, :], 0), axis=1)
     m_p = o_p <= depth_a
     rows = bos + node

@@ -22,6 +22,7 @@ import triton.language as tl
 from bole_tune.tree import TreeBatch
 
 from ..common import use_triton
+from .blocks import path_hits
 
 SEARCH_BLOCK = 64
 """Nodes of the previous tree one step of the kernel's search looks at."""
@@ -49,12 +50,7 @@ def pending_path_rows_kernel(map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit
     rows = tl.full([WIDTH], -1, dtype=tl.int64)
     for j_b in range(0, (accepted + B_T) // B_T):
         o_j = j_b * B_T + tl.arange(0, B_T)
-        m_j = o_j <= accepted
-        enter_j = tl.load(enter_ptr + bos + o_j, mask=m_j, other=0)
-        exit_j = tl.load(exit_ptr + bos + o_j, mask=m_j, other=-1)
-        depth_j = tl.load(depth_ptr + bos + o_j, mask=m_j, other=-1)
-        on_path = m_j & (enter_j <= enter_a) & (enter_a <= exit_j)
-        hit = on_path[None, :] & (depth_j[None, :] == o_w[:, None])
+        hit = path_hits(enter_ptr, exit_ptr, depth_ptr, bos, o_j, o_j <= accepted, enter_a, o_w)
         rows = tl.maximum(rows, tl.max(tl.where(hit, bos + o_j[None, :], -1), axis=1))
     tl.store(rows_ptr + i_r * WIDTH + o_w, rows.to(tl.int32))
 
