@@ -130,12 +130,15 @@ def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
     ref = verify_reference(*x.args(tree))
     launch = PLANNER.plan(HEADS, BF16, num_requests=2, max_tree_size=20, depth=tree.depth, device=device,
                           config=CONFIG, variant="resident")
-    for changed in (launch, launch.replace(sweep_f16=False), launch.replace(v_split=2)):
+    for changed in (launch, launch.replace(sweep_f16=False), launch.replace(v_split=2),
+                    launch.replace(v_split=2, state_first=True)):
         assert_close(tree_verify(*x.args(tree), launch=changed).o, ref.o, TOLERANCE[BF16], f"o with {changed}")
     refusals = [
         (launch.replace(node_block=64), "launch.node_block"),
         (Launch("fused", CONFIG, 32, v_split=2), "the fused kernel has no value split"),
         (launch.replace(v_split=4), "launch.v_split"),
+        (launch.replace(v_split=1, state_first=True), "launch.state_first: streams one value tile"),
+        (Launch("fused", CONFIG, 32, state_first=True), "the fused kernel has no value split"),
         (launch.replace(config=KernelConfig(64, 16, 4, 1)), "launch.config"),
         ("resident", "launch: expected a Launch"),
     ]

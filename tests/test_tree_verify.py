@@ -130,9 +130,11 @@ def test_resident_split():
     assert split(3, 32, 128, 32) == split(4, 32, 128, 32)  # decided on the batch bucket
 
 
-@pytest.mark.parametrize("v_split", [1, 2, 4])
-def test_resident_value_split_matches_reference(device, v_split):
-    """Every split of a head's value rows over programs writes every output row, and only once each."""
+@pytest.mark.parametrize("v_split,b_v,state_first", [(1, 16, False), (2, 16, False), (4, 16, False), (4, 16, True),
+                                                      (2, 32, True), (1, 64, True)])
+def test_resident_value_split_matches_reference(device, v_split, b_v, state_first):
+    """Every split of a head's value rows over programs writes every output row, and only once each; so does the
+    state-first order (one value tile per program, the factors after the stream)."""
     tree = make_tree([13, 1, 20], "random", seed=21, device=device)
     x = make_inputs(tree, 2, 4, 32, 64, torch.float32, device, seed=21)
     ref = verify_reference(*x.args(tree))
@@ -141,7 +143,7 @@ def test_resident_value_split_matches_reference(device, v_split):
     res = result_buffers(shape, torch.float32, torch.device(device), tree, None)
     for buf in (res.o, res.u, res.log_decay, res.k, res.k_scale):
         buf.fill_(float("nan"))
-    launch = Launch("resident", KernelConfig(16, 16, 4, 1), node_block=32, v_split=v_split)
+    launch = Launch("resident", KernelConfig(16, b_v, 4, 1), node_block=32, v_split=v_split, state_first=state_first)
     tree_verify(*x.args(tree), out=res, launch=launch)
     assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
     for name in ("u", "log_decay", "k", "k_scale"):

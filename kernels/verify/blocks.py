@@ -166,11 +166,19 @@ def pending_path(i_r, i_h, i_hk, map_ptr, path_rows_ptr, logp_ptr, k_scale_ptr, 
 
 
 @triton.jit
-def fold_tile(b_s, rows_p, m_p, weight_p, decay_p, o_v, o_k, i_h, i_hk, u_ptr, k_ptr, H_V, H_K,
-              D_K: tl.constexpr, D_V: tl.constexpr, FOLD_DOT: tl.constexpr = "ieee"):
-    """A ``[b_v, b_k]`` state tile after the pending commit: ``P_a S + sum_j w_j u_j k_j^T`` (docs/math.md §4);
-    the product in ``FOLD_DOT`` precision ("ieee" fp32 FMAs, or "tf32x3": three tf32 tensor-core passes)."""
+def fold_updates(rows_p, m_p, weight_p, o_v, i_h, u_ptr, H_V, D_V: tl.constexpr):
+    """``[len(o_v), B_P]``: the pending path's updates ``w_j u_j`` on value rows ``o_v``, transposed for `fold_apply`
+    (loaded once per value tile, used by every key step)."""
+    b_up = tl.load(u_ptr + rows_p[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+    return tl.trans(b_up * weight_p[:, None])
+
+
+@triton.jit
+def fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, k_ptr, H_K, D_K: tl.constexpr,
+               FOLD_DOT: tl.constexpr = "ieee"):
+    """A ``[b_v, b_k]`` state tile after the pending commit: ``P_a S + sum_j w_j u_j k_j^T`` (docs/math.md §4),
+    ``b_upw`` from `fold_updates`; the product in ``FOLD_DOT`` precision ("ieee" fp32 FMAs, or "tf32x3": three
+    tf32 tensor-core passes)."""
     b_kp = tl.load(k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
                    other=0).to(tl.float32)
-    b_up = tl.load(u_ptr + rows_p[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
-    return decay_p * b_s + tl.dot(tl.trans(b_up * weight_p[:, None]), b_kp, input_precision=FOLD_DOT)
+    return decay_p * b_s + tl.dot(b_upw, b_kp, input_precision=FOLD_DOT)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, floored, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_path, qk_chunk_gram, solve_factors,
+                     state_products)
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -65,6 +66,7 @@ def tree_verify_fused_kernel(
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
             H_V, H_K, B_P)
+        b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):
         o_i = i_b * B_T + tl.arange(0, B_T)
@@ -86,8 +88,8 @@ def tree_verify_fused_kernel(
             b_s = tl.load(p_state + o_k[None, :])
             if FOLD:  # the first block commits the previous round into the tile; later blocks read it back
                 fold_now = pending & (i_b == 0)
-                b_s = fold_tile(b_s, rows_p, m_p & fold_now, weight_p, tl.where(fold_now, decay_p, 1.0), o_v, o_k,
-                                i_h, i_hk, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V, FOLD_DOT)
+                b_s = fold_apply(b_s, b_upw, rows_p, m_p & fold_now, tl.where(fold_now, decay_p, 1.0), o_k, i_hk,
+                                 fold_k_ptr, H_K, D_K, FOLD_DOT)
                 tl.store(p_state + o_k[None, :], b_s, mask=fold_now)
             b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
                 q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,

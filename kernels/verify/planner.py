@@ -122,7 +122,8 @@ class Launch:
 
     variant: "fused" or "resident"; config: its tiles; node_block: rows solved together (``B_T``);
     v_split: the resident kernel's programs per head (1 for the fused kernel); state_split, sweep_f16:
-    the resident kernel's precision switches (False for the fused kernel); fallback: why a resident
+    the resident kernel's precision switches (False for the fused kernel); state_first: the resident kernel
+    streams its one value tile of S_pre first and solves the factors after it (``v_split * b_v == dv``); fallback: why a resident
     launch was moved to the fused kernel ("" if it was not), with the self-check's error if it failed.
     """
 
@@ -132,6 +133,7 @@ class Launch:
     v_split: int = 1
     state_split: bool = False
     sweep_f16: bool = False
+    state_first: bool = False
     fallback: str = ""
     fallback_error: float | None = None
 
@@ -242,10 +244,10 @@ class Planner:
             raise ValueError(f"launch.node_block: {launch.node_block}, but a batch whose largest tree has "
                              f"{max_tree_size} nodes is solved in blocks of {block}")
         if launch.variant == "fused":
-            if launch.v_split != 1 or launch.state_split or launch.sweep_f16:
-                raise ValueError("launch: the fused kernel has no value split, state split or fp16 sweeps "
-                                 f"(got v_split={launch.v_split}, state_split={launch.state_split}, "
-                                 f"sweep_f16={launch.sweep_f16})")
+            if launch.v_split != 1 or launch.state_split or launch.sweep_f16 or launch.state_first:
+                raise ValueError("launch: the fused kernel has no value split, state split, fp16 sweeps or state-first "
+                                 f"order (got v_split={launch.v_split}, state_split={launch.state_split}, "
+                                 f"sweep_f16={launch.sweep_f16}, state_first={launch.state_first})")
             return
         if max_tree_size > RESIDENT_MAX_NODES:
             raise ValueError(f"launch.variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per "
@@ -253,6 +255,9 @@ class Planner:
         if not _power_of_two(launch.v_split) or launch.v_split * launch.config.b_v > heads.dv:
             raise ValueError(f"launch.v_split: expected a power of two with v_split * b_v <= dv = {heads.dv}, "
                              f"got {launch.v_split!r}")
+        if launch.state_first and launch.v_split * launch.config.b_v != heads.dv:
+            raise ValueError(f"launch.state_first: streams one value tile per program, so v_split * b_v must be dv = "
+                             f"{heads.dv} (got v_split={launch.v_split}, b_v={launch.config.b_v})")
         if launch.state_split and dtype != torch.bfloat16:
             raise ValueError(f"launch.state_split: splits S_pre into bf16 parts, for bf16 inputs only (got {dtype})")
         if launch.sweep_f16 and not self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale):
@@ -268,8 +273,8 @@ class Planner:
         check can run: an unchecked specialisation runs on the fused kernel."""
         if launch.variant != "resident" or device.type != "cuda" or self.self_check is None:
             return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
-        key = (launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16, heads,
-               float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
+        key = (launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16, launch.state_first,
+               heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
         result = self.checks.get(key)
         if result is None:
             if torch.cuda.is_current_stream_capturing():

@@ -31,7 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import ancestry, floored, fold_tile, norm_scales, pending_path, qk_chunk_gram, solve_factors, state_products
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_path, qk_chunk_gram, solve_factors,
+                     state_products)
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -56,7 +57,7 @@ def tree_verify_resident_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     V_SPLIT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
-    STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False,
+    STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
@@ -79,17 +80,84 @@ def tree_verify_resident_kernel(
     b_beta = tl.load(beta_ptr + rows * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(tl.float32)
     b_g = floored(tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32))
 
-    # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
+    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    if FOLD:
+        rows_p, m_p, weight_p, decay_p, pending = pending_path(
+            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+            H_V, H_K, B_P)
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
     ssq_k = tl.zeros([B_T], dtype=tl.float32)
-    for i_k in range(0, D_K, B_K):
-        o_k = i_k + tl.arange(0, B_K)
-        _, _, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
-            q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
-            stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
-            D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
+    if STATE_FIRST:
+        # one value tile per program (B_V = D_V / V_SPLIT): S_pre's stream starts at once, the Gram products ride
+        # along in the same key steps (q and k read once), and the factors follow the stream
+        o_v = i_part * B_V + tl.arange(0, B_V)
+        b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
+        b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
+        if FOLD:
+            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        for i_k in range(0, D_K, B_K):
+            o_k = i_k + tl.arange(0, B_K)
+            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+            b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
+                q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
+                stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
+                D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
+            if FOLD:
+                b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
+                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+        b_w, b_m, a_q, a_k = head_factors(
+            b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
+            logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
+            B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
+        readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
+                H_V, D_V, DOT_PRECISION)
+    else:
+        # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
+        for i_k in range(0, D_K, B_K):
+            o_k = i_k + tl.arange(0, B_K)
+            _, _, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
+                q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
+                stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
+                D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
+        b_w, b_m, a_q, a_k = head_factors(
+            b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
+            logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
+            B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
+        # 2. stream S_pre one value tile at a time: R' = V - a_k (K S^T), U = W R', O = a_q (Q S^T) + M R'
+        # (with FOLD, each tile first becomes the committed state of the previous round, written back)
+        for i_v in range(0, D_V // V_SPLIT, B_V):
+            o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
+            b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
+            b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
+            if FOLD:
+                b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+            for i_k in range(0, D_K, B_K):
+                o_k = i_k + tl.arange(0, B_K)
+                b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
+                              mask=m_i[:, None], other=0)
+                b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
+                              mask=m_i[:, None], other=0)
+                b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+                if FOLD:
+                    b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
+                    tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
+                    H_V, D_V, DOT_PRECISION)
+
+
+@triton.jit
+def head_factors(b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, num_sweeps, scale,
+                 logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
+                 B_T: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SWEEP_F16: tl.constexpr):
+    """A head's factors from its Gram products (docs/math.md §3): logP, G and C, ``W = (I + G)^-1 D_beta``,
+    ``M = C W`` and the row factors ``a_q``, ``a_k``; stores logP (first part) and the key scales (key writer).
+    Returns (W, M, a_q, a_k)."""
+    o_i = tl.arange(0, B_T)
     r_q, r_k = norm_scales(ssq_q, ssq_k, scale, B_T, USE_QK_L2NORM)
     m_anc = ancestry(enter_i, enter_i, exit_i)
     b_logp = tl.sum(tl.where(m_anc, b_g[None, :], 0.0), axis=1)
@@ -101,48 +169,29 @@ def tree_verify_resident_kernel(
         # fp16 operands: with L2-normalised keys and depth <= 12 every operand entry, partial Neumann
         # sums included, stays far inside fp16's range (docs/math.md §3)
         b_g16 = b_gm.to(tl.float16)
-        for _ in range(0, tl.load(block_depth_ptr + i_r)):
+        for _ in range(0, num_sweeps):
             b_x = eye - tl.dot(b_g16, b_x.to(tl.float16))
         b_m = tl.dot(b_c.to(tl.float16), b_x.to(tl.float16)) * b_beta[None, :]
     else:
-        for _ in range(0, tl.load(block_depth_ptr + i_r)):
+        for _ in range(0, num_sweeps):
             b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)
         b_m = tl.dot(b_c, b_x, input_precision=DOT_PRECISION) * b_beta[None, :]
     b_w = b_x * b_beta[None, :]
     b_decay = tl.exp(b_logp)
-    a_q = b_decay * r_q
-    a_k = b_decay * r_k
     tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i & (i_part == 0))
     tl.store(k_scale_ptr + rows * H_K + i_hk, r_k, mask=m_i & write_keys)
+    return b_w, b_m, b_decay * r_q, b_decay * r_k
 
-    # 2. stream S_pre one value tile at a time: R' = V - a_k (K S^T), U = W R', O = a_q (Q S^T) + M R'
-    # (with FOLD, each tile first becomes the committed state of the previous round, written back)
-    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
-    if FOLD:
-        rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P)
-    for i_v in range(0, D_V // V_SPLIT, B_V):
-        o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
-        b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
-        b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
-        for i_k in range(0, D_K, B_K):
-            o_k = i_k + tl.arange(0, B_K)
-            b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :],
-                          mask=m_i[:, None], other=0)
-            b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
-                          mask=m_i[:, None], other=0)
-            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
-            if FOLD:
-                b_s = fold_tile(b_s, rows_p, m_p, weight_p, decay_p, o_v, o_k, i_h, i_hk, fold_u_ptr, fold_k_ptr,
-                                H_V, H_K, D_K, D_V, FOLD_DOT)
-                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
-            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-        b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
-                      mask=m_i[:, None], other=0).to(tl.float32)
-        b_r = b_v - a_k[:, None] * b_ks
-        b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)
-        b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)
-        tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
-        tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                 b_o.to(o_ptr.dtype.element_ty), mask=m_i[:, None])
+
+@triton.jit
+def readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
+            H_V, D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One value tile's ``R' = V - a_k (K S^T)``, ``U = W R'`` and ``O = a_q (Q S^T) + M R'``, stored."""
+    b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
+                  mask=m_i[:, None], other=0).to(tl.float32)
+    b_r = b_v - a_k[:, None] * b_ks
+    b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)
+    b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)
+    tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
+    tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+             b_o.to(o_ptr.dtype.element_ty), mask=m_i[:, None])

@@ -12,7 +12,7 @@ from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 
 FOLD_DOT_PRECISION = "tf32x3"
-"""Precision of the fold's product (`blocks.fold_tile`): three tf32 tensor-core passes, about fp32's accuracy
+"""Precision of the fold's product (`blocks.fold_apply`): three tf32 tensor-core passes, about fp32's accuracy
 (H200, 9B heads: the committed state within 1.1e-7 of the closed form, fp32 FMAs 6.8e-8) and faster than fp32
 FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node trees 96.8 against 111.1 us
 (BENCHMARKS.md, "A layer's round")."""
@@ -31,7 +31,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     if launch.variant == "resident":
         kernel = tree_verify_resident_kernel[(h.hv * launch.v_split, shape.num_requests)]
         blocks = ()
-        extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16}
+        extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
+                 "STATE_FIRST": launch.state_first}
     else:
         kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
         blocks, extra = (max_blocks,), {}

@@ -1,0 +1,83 @@
+"""Issue 17: the resident kernel with its state stream first (``Launch.state_first``: one value tile per program,
+the Gram products taken in the same key steps as the state products, the factors after the stream) against the
+planner's launch, verify alone and folded, 9B heads, bf16, CUDA graphs over rotating sets. Every launch is
+checked against the float64 reference first (`CaseBench.check`, and `CaseBench.fold_errors` for the fold).
+
+    python3 lab/state_first.py [--json OUT] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.commit_bench import COMMIT_TOLERANCE
+from bole_tune.config import KernelConfig
+from bole_tune.kernels import tree_verify
+from bole_tune.kernels.verify.self_check import accepted_error
+from bole_tune.shapes import HeadShape
+
+CASES = [(1, 4, "chain"), (16, 4, "chain"), (32, 8, "chain"), (16, 16, "random"), (16, 64, "random")]
+CONFIGS = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64, 32) for b_k in (32, 64) for w in (4, 8) for s in (2, 3)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="two configs a case")
+    args = parser.parse_args()
+    heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
+    configs = CONFIGS[:: len(CONFIGS) // 2] if args.quick else CONFIGS
+    rows = []
+    for batch, size, kind in CASES:
+        bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), "cuda")
+        planned = bench.launch()
+        row = {"batch": batch, "tree_size": size, "kind": kind, "planner": f"{planned.variant} {planned.config.text} "
+               f"split {planned.v_split}", "verify": {}, "folded": {}}
+
+        def timed(launch, fold: bool) -> float | str:
+            try:
+                if fold:
+                    out_error, state_error = bench.fold_errors(launch)
+                    if not (out_error <= accepted_error(torch.bfloat16) and state_error <= COMMIT_TOLERANCE):
+                        return f"wrong: outputs {out_error:.1e}, state {state_error:.1e}"
+                    return bench.time_folded(launch, repeats=args.repeats).p50_us
+                bench.check(tree_verify, launch)
+                return bench.time_verify(tree_verify, launch, repeats=args.repeats)[0].p50_us
+            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                return f"{type(e).__name__}: {str(e)[:160]}"
+
+        row["verify"]["planner"] = timed(planned, False)
+        row["folded"]["planner"] = timed(bench.launch(fold=True), True)
+        for config in configs:
+            if size > 16 and config.b_v == 128 and config.num_warps == 4:
+                continue  # [64, 128] fp32 accumulators twice: past the registers of 4 warps
+            launch = bench.launch(config=config, variant="resident").replace(
+                v_split=heads.dv // config.b_v, state_first=True)
+            row["verify"][f"first {config.text}"] = timed(launch, False)
+        best = sorted((v, k) for k, v in row["verify"].items() if isinstance(v, float) and k != "planner")[:3]
+        for _, name in best:
+            config = KernelConfig.from_text(name.split()[1])
+            launch = bench.launch(config=config, variant="resident").replace(
+                v_split=heads.dv // config.b_v, state_first=True)
+            row["folded"][name] = timed(launch, True)
+        rows.append(row)
+        fbest = min(((v, k) for k, v in row["folded"].items() if isinstance(v, float) and k != "planner"),
+                    default=(float("nan"), "-"))
+        fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else v[:40]  # noqa: E731
+        print(f"B={batch:>2} T={size:>3} {kind:6s} {row['planner']}: verify {fmt(row['verify']['planner'])} "
+              f"folded {fmt(row['folded']['planner'])} | state-first best verify {best[0][0] if best else '-'} "
+              f"({best[0][1] if best else '-'}) folded {fbest[0]:.1f} ({fbest[1]})", flush=True)
+        del bench
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
