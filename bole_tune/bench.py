@@ -177,8 +177,8 @@ class CaseBench:
     def deepest(self, tree) -> torch.Tensor:
         """Each request's deepest node: the longest path a commit can have."""
         depths, offsets = tree.node_depth.tolist(), tree.offsets.tolist()
-        return torch.tensor([max(range(self.case.tree_size), key=lambda n: depths[offsets[r] + n])
-                             for r in range(self.case.batch)], dtype=torch.int32, device=self.device)
+        return torch.tensor([max(range(offsets[r + 1] - offsets[r]), key=lambda n: depths[offsets[r] + n])
+                             for r in range(tree.num_requests)], dtype=torch.int32, device=self.device)
 
     def time_commit(self, repeats: int = 50) -> Timing:
         """tree_commit of each request's deepest node, after a verification of each set."""

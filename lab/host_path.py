@@ -35,6 +35,56 @@ def per_call(fn, calls=2000) -> float:
     return sorted(best)[len(best) // 2]
 
 
+def launch_parts(launch, a, shape, res) -> dict:
+    """The Triton launch's parts: its binder (argument specialisation), its cache key, the compiled kernel's C
+    launcher alone (all arguments bound beforehand), and the stream lookup."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import compute_cache_key
+
+    from bole_tune.kernels.verify import run as run_module
+
+    captured = {}
+
+    class Capture:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                captured.update(fn=self.fn, grid=grid, args=args, kwargs=kwargs)
+                return self.fn[grid](*args, **kwargs)
+            return call
+
+    name = "tree_verify_resident_kernel" if launch.variant == "resident" else "tree_verify_fused_kernel"
+    original = getattr(run_module, name)
+    setattr(run_module, name, Capture(original))
+    try:
+        run_launch(launch, *a, shape, res, True)
+    finally:
+        setattr(run_module, name, original)
+    fn, grid, args, kwargs = captured["fn"], captured["grid"], captured["args"], captured["kwargs"]
+    device = driver.active.get_current_device()
+    kernel_cache, key_cache, _, _, binder = fn.device_caches[device]
+    kw = dict(kwargs, debug=False, instrumentation_mode="")
+    bound, spec, options = binder(*args, **kw)
+    compiled = kernel_cache[compute_cache_key(key_cache, spec, options)]
+    values = list(bound.values())
+    stream = driver.active.get_current_stream(device)
+    g = tuple(grid) + (1,) * (3 - len(grid))
+
+    def c_launch():
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+
+    return {
+        "  JIT launch (fn[grid](...))": lambda: fn[grid](*args, **kwargs),
+        "  binder alone": lambda: binder(*args, **kw),
+        "  binder + cache key": lambda: compute_cache_key(key_cache, binder(*args, **kw)[1], options),
+        "  compiled.run alone (C launcher)": c_launch,
+        "  current device + stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+        f"  ({len(values)} bound arguments)": lambda: None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=1)
@@ -66,6 +116,7 @@ def main() -> None:
         "  run_launch (Triton launch)": lambda: run_launch(launch, *a, shape, res2, True),
         "  torch.empty x1": lambda: torch.empty(64, device=dev),
     }
+    rows.update(launch_parts(launch, a, shape, res2))
     print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16; launch {launch.variant} {launch.config}")
     for name, fn in rows.items():
         print(f"{name:40s} {per_call(fn):8.1f} us/call")

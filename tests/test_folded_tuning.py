@@ -100,6 +100,16 @@ def test_tune_bucket_runs_a_folded_study(tmp_path):
     assert result.key == FOLD and result.best is not None and result.study_name.endswith("-fold")
 
 
+def test_the_fold_check_of_a_batch_larger_than_its_reference_instance():
+    """The fold's check runs on CHECK_BATCH requests whatever the batch timed (a 16-request bucket once failed here)."""
+    from bole_tune.bench import CHECK_BATCH, BenchCase, CaseBench
+
+    bench = CaseBench(BenchCase(HeadShape(hk=1, hv=2, dk=32, dv=32), 16, 8, torch.float32, 8, label="x"), "cpu")
+    o_error, state_error = bench.fold_errors(bench.launch(KernelConfig(16, 16, 4, 1)))
+    assert bench.reference()[0].num_requests == CHECK_BATCH < 16
+    assert o_error < 1e-3 and state_error < 1e-5
+
+
 def test_the_runner_checks_and_times_the_folded_round_on_the_cpu(monkeypatch):
     from bole_tune.bench import CaseBench
 
