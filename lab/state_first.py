@@ -20,7 +20,7 @@ from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape
 
-CASES = [(1, 4, "chain"), (16, 4, "chain"), (32, 8, "chain"), (16, 16, "random"), (16, 64, "random")]
+CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 16, "random"), (1, 4, "chain"), (16, 64, "random")]
 CONFIGS = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64, 32) for b_k in (32, 64) for w in (4, 8) for s in (2, 3)]
 
 
@@ -29,11 +29,14 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="two configs a case")
+    parser.add_argument("--cases", type=int, default=len(CASES), help="the first N cases only")
+    parser.add_argument("--b-v", default="128,64,32", help="value tiles of the state-first configs")
     args = parser.parse_args()
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
-    configs = CONFIGS[:: len(CONFIGS) // 2] if args.quick else CONFIGS
+    configs = [c for c in CONFIGS if str(c.b_v) in args.b_v.split(",")]
+    configs = configs[:: len(configs) // 2] if args.quick else configs
     rows = []
-    for batch, size, kind in CASES:
+    for batch, size, kind in CASES[:args.cases]:
         bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), "cuda")
         planned = bench.launch()
         row = {"batch": batch, "tree_size": size, "kind": kind, "planner": f"{planned.variant} {planned.config.text} "
