@@ -22,6 +22,7 @@ import triton.language as tl
 from bole_tune.tree import TreeBatch
 
 from ..common import use_triton
+from ..launcher import FastLauncher
 from .blocks import path_hits
 
 SEARCH_BLOCK = 64
@@ -55,6 +56,9 @@ def pending_path_rows_kernel(map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit
     tl.store(rows_ptr + i_r * WIDTH + o_w, rows.to(tl.int32))
 
 
+PENDING_ROWS = FastLauncher(pending_path_rows_kernel)
+
+
 def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torch.Tensor) -> torch.Tensor:
     """`PendingPaths.path_rows` ``[len(request_map), path_width(tree)]`` int32 on the tree's device. An accepted
     node out of range, or a request_map entry out of range, gives an empty path (nothing is committed)."""
@@ -65,8 +69,8 @@ def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torc
     width = path_width(tree)
     rows = torch.empty((len(request_map), width), dtype=torch.int32, device=device)
     if len(request_map):
-        pending_path_rows_kernel[(len(request_map),)](
-            request_map, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth, rows,
+        PENDING_ROWS(
+            (len(request_map),), request_map, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth, rows,
             tree.num_requests, B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=width)
     return rows
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype, token_head_strides
+from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
+
+RESIDENT = FastLauncher(tree_verify_resident_kernel)
+FUSED = FastLauncher(tree_verify_fused_kernel)
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 
@@ -29,12 +33,12 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     v, sv_n, sv_h = token_head_strides(v)
     block_depth, max_blocks = tree.block_depths(launch.node_block)
     if launch.variant == "resident":
-        kernel = tree_verify_resident_kernel[(h.hv * launch.v_split, shape.num_requests)]
+        kernel, grid = RESIDENT, (h.hv * launch.v_split, shape.num_requests)
         blocks = ()
         extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
                  "STATE_FIRST": launch.state_first}
     else:
-        kernel = tree_verify_fused_kernel[(h.dv // config.b_v, h.hv, shape.num_requests)]
+        kernel, grid = FUSED, (h.dv // config.b_v, h.hv, shape.num_requests)
         blocks, extra = (max_blocks,), {}
     if pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold = (None,) * 7 + (0,)
@@ -45,7 +49,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                 commit_epoch())
         extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=paths.path_rows.shape[1])
     kernel(
-        q, k, v, g, beta, state, state_indices,
+        grid, q, k, v, g, beta, state, state_indices,
         tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
         res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, *fold,
         shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,

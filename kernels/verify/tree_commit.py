@@ -38,6 +38,7 @@ from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
 from ..common import INDEX_DTYPES, require_tensor, use_triton
+from ..launcher import FastLauncher
 from ..reference import commit_closed_form
 from .blocks import path_factors
 from .checks import check_commit_inputs
@@ -106,6 +107,8 @@ def tree_commit_kernel(
                 tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
             tl.debug_barrier()
 
+
+COMMIT = FastLauncher(tree_commit_kernel)
 
 _config_source: Callable | None = None
 
@@ -239,8 +242,8 @@ def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, com
         raise ValueError(f"config: tiles b_k={config.b_k}, v_span={config.v_span} must divide dk={dk}, dv={dv}")
     b_k, v_span = config.b_k, config.v_span
     grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
-    tree_commit_kernel[grid](
-        states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
+    COMMIT(
+        grid, states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
         u, log_decay, k, k_scale, committed, commit_epoch(),
         states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
         u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,

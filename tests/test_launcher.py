@@ -1,0 +1,158 @@
+"""`FastLauncher`: a launch reuses a kept binary only when Triton would have specialised it the same way.
+
+Triton's own launch path is stood in for by a recording kernel (no GPU here); the GPU tests run the real one
+(every tree_verify / tree_commit call after the first goes through the kept binary there).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bole_tune.kernels.launcher import FastLauncher
+
+
+def param(constexpr=False, no_spec=False, no_align=False):
+    return SimpleNamespace(is_constexpr=constexpr, do_not_specialize=no_spec, do_not_specialize_on_alignment=no_align)
+
+
+class Compiled:
+    """What Triton's path returns: a compiled kernel with its C launcher."""
+
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "function", "metadata"
+
+    def run(self, *args):
+        self.log.append(("fast", args))
+
+
+class Kernel:
+    """A jit function of four parameters: x_ptr (tensor), stride (specialised int), epoch (not specialised), N
+    (a constant)."""
+
+    params = [param(), param(), param(no_spec=True), param(constexpr=True)]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append(("triton", grid, args, meta))
+            return Compiled(self.log)
+        return launch
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    fast = FastLauncher(Kernel())
+    monkeypatch.setattr(FastLauncher, "device", staticmethod(lambda: 0))
+    monkeypatch.setattr(FastLauncher, "stream", staticmethod(lambda device: 7))
+    return fast
+
+
+def paths(launcher):
+    return [entry[0] for entry in launcher.fn.log]
+
+
+def test_the_second_launch_of_a_specialisation_goes_straight_to_the_binary(launcher):
+    x = torch.zeros(64)
+    launcher((4,), x, 32, 1, N=8, num_warps=4)
+    launcher((4, 2), x, 32, 2, N=8, num_warps=4)
+    assert paths(launcher) == ["triton", "fast"]
+    _, args = launcher.fn.log[1]
+    # grid padded to three, the stream, the binary, no launch metadata or hooks, the arguments, None for N
+    assert args == (4, 2, 1, 7, "function", "metadata", None, None, None, x, 32, 2, None)
+
+
+@pytest.mark.parametrize("change", ["misaligned view", "dtype", "stride 1", "stride not a multiple of 16",
+                                    "epoch past int32", "constant", "option"])
+def test_a_launch_triton_would_specialise_differently_goes_through_triton(launcher, change):
+    x = torch.zeros(64)
+    launcher((4,), x, 32, 5, N=8, num_warps=4)
+    args, meta = [x, 32, 6], {"N": 8, "num_warps": 4}
+    if change == "misaligned view":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float64)
+    elif change == "stride 1":
+        args[1] = 1
+    elif change == "stride not a multiple of 16":
+        args[1] = 24
+    elif change == "epoch past int32":
+        args[2] = 1 << 31
+    elif change == "constant":
+        meta["N"] = 16
+    else:
+        meta["num_warps"] = 8
+    launcher((4,), *args, **meta)
+    assert paths(launcher) == ["triton", "triton"], change
+    launcher((4,), *args, **meta)  # now kept as well
+    assert paths(launcher) == ["triton", "triton", "fast"]
+
+
+def test_launch_hooks_and_constants_among_the_arguments_keep_triton_s_path(launcher, monkeypatch):
+    from triton import knobs
+
+    x = torch.zeros(64)
+    launcher((4,), x, 32, 5, 8)  # N given positionally: never kept
+    launcher((4,), x, 32, 5, 8)
+    assert paths(launcher) == ["triton", "triton"]
+    launcher((4,), x, 32, 5, N=8)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launcher((4,), x, 32, 5, N=8)  # a profiler's hook wants Triton's launch metadata
+    assert paths(launcher) == ["triton", "triton", "triton", "triton"]
+
+
+def test_the_interpreter_runs_triton_s_path():
+    class Interpreted:  # no params: what TRITON_INTERPRET=1 gives
+        def __init__(self):
+            self.calls = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                self.calls += 1
+            return launch
+
+    fn = Interpreted()
+    fast = FastLauncher(fn)
+    fast((1,), 1, 2)
+    fast((1,), 1, 2)
+    assert fn.calls == 2 and not fast.compiled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: Triton's compiled launcher")
+def test_kept_binaries_verify_and_commit_exactly_on_the_gpu():
+    """The real thing: the second call of each specialisation runs through the kept binary and agrees with the
+    float64 reference, and so does a call on a misaligned view (another specialisation, compiled by Triton)."""
+    from bole_tune.kernels import tree_commit, tree_verify
+    from bole_tune.kernels.reference import verify_reference
+    from bole_tune.kernels.verify import run as run_module
+    from bole_tune.kernels.verify import tree_commit as commit_module
+    from bole_tune.workloads import make_inputs, make_tree
+    from helpers import TOLERANCE, assert_close
+
+    tree = make_tree([4, 9], "random", seed=3, device="cuda")
+    x = make_inputs(tree, 2, 4, 64, 64, torch.bfloat16, "cuda", seed=3)
+    ref = verify_reference(*x.args(tree))
+    accepted = torch.tensor([3, 5], device="cuda")
+    expected = ref.committed(x.state, x.state_indices, tree, accepted).float()
+    for launcher in (run_module.RESIDENT, run_module.FUSED, commit_module.COMMIT):
+        launcher.clear()
+    for variant in ("resident", "fused"):
+        for call in range(3):
+            res = tree_verify(*x.args(tree), variant=variant)
+            assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], f"{variant} call {call}")
+        launcher = run_module.RESIDENT if variant == "resident" else run_module.FUSED
+        assert launcher.compiled, f"{variant}: nothing kept"
+    kept = len(run_module.RESIDENT.compiled)
+    wide = torch.zeros(x.q.numel() + 1, dtype=x.q.dtype, device="cuda")
+    q = wide[1:].view_as(x.q)  # 2 bytes past a 16-byte boundary
+    q.copy_(x.q)
+    res = tree_verify(q, *x.args(tree)[1:], variant="resident")
+    assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], "misaligned q")
+    assert len(run_module.RESIDENT.compiled) == kept + 1
+    for call in range(2):
+        pool = x.state.clone()
+        tree_commit(pool, x.state_indices, tree_verify(*x.args(tree)), accepted)
+        assert_close(pool, expected, TOLERANCE[torch.float32], f"commit call {call}")
+    assert len(commit_module.COMMIT.compiled) == 1
