@@ -386,15 +386,17 @@ def _result(study, key: ShapeKey | CommitKey, name: str, default) -> TuneResult:
 # whole key rows per step for small trees (lab/variant_sweep.py, 9B B=1-16, T=4-32)
 RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1),
                    KernelConfig(128, 32, 4, 2), KernelConfig(128, 64, 4, 2))
+# the state-first order's best tiles (lab/state_first.py, 9B B=16-32, T=4-16): whole value rows per program
+STREAM_STARTS = (KernelConfig(32, 128, 4, 3), KernelConfig(32, 128, 4, 2), KernelConfig(64, 128, 4, 3))
 
 
 def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
     """Configs a study starts with for the kernel this bucket runs on (beside default and neighbours)."""
     if isinstance(key, CommitKey):
         return []
-    if PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) != "resident":
-        return []
-    return [c for c in RESIDENT_STARTS if c.fits(key.heads.dk, key.heads.dv)]
+    starts = {"resident": RESIDENT_STARTS, "stream": STREAM_STARTS}.get(
+        PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket), ())
+    return [c for c in starts if c.fits(key.heads.dk, key.heads.dv)]
 
 
 def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:

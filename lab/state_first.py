@@ -1,4 +1,4 @@
-"""Issue 17: the resident kernel with its state stream first (``Launch.state_first``: one value tile per program,
+"""Issue 17: the resident kernel with its state stream first (the "stream" variant: one value tile per program,
 the Gram products taken in the same key steps as the state products, the factors after the stream) against the
 planner's launch, verify alone and folded, 9B heads, bf16, CUDA graphs over rotating sets. Every launch is
 checked against the float64 reference first (`CaseBench.check`, and `CaseBench.fold_errors` for the fold).
@@ -59,14 +59,12 @@ def main() -> None:
         for config in configs:
             if size > 16 and config.b_v == 128 and config.num_warps == 4:
                 continue  # [64, 128] fp32 accumulators twice: past the registers of 4 warps
-            launch = bench.launch(config=config, variant="resident").replace(
-                v_split=heads.dv // config.b_v, state_first=True)
+            launch = bench.launch(config=config, variant="stream")
             row["verify"][f"first {config.text}"] = timed(launch, False)
         best = sorted((v, k) for k, v in row["verify"].items() if isinstance(v, float) and k != "planner")[:3]
         for _, name in best:
             config = KernelConfig.from_text(name.split()[1])
-            launch = bench.launch(config=config, variant="resident").replace(
-                v_split=heads.dv // config.b_v, state_first=True)
+            launch = bench.launch(config=config, variant="stream")
             row["folded"][name] = timed(launch, True)
         rows.append(row)
         fbest = min(((v, k) for k, v in row["folded"].items() if isinstance(v, float) and k != "planner"),

@@ -6,9 +6,7 @@ import random
 import pytest
 import torch
 
-from bole_tune.config import KernelConfig, node_block
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_commit, tree_verify
-from bole_tune.kernels.verify.planner import Launch
 from bole_tune.kernels.reference import verify_reference
 from bole_tune.workloads import make_inputs, make_tree
 from helpers import TOLERANCE, assert_close
@@ -22,16 +20,9 @@ CASES = {
     "resident-bf16-trees": ("resident", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
     "fused-fp32-multi-block-chains": ("fused", F32, [[70, 3], [66, 12], [5, 80]], "chain"),
     "resident-fp32-chains": ("resident", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
-    # the resident kernel streaming its one value tile first (Launch.state_first), 2 programs per head
-    "state-first-bf16-trees": ("state-first", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
+    # the resident kernel streaming its one value tile first, 2 programs per head
+    "stream-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
 }
-
-
-def verify_kwargs(variant: str, tree) -> dict:
-    if variant == "state-first":
-        return {"launch": Launch("resident", KernelConfig(16, 16, 4, 1), node_block(tree.max_tree_size), v_split=2,
-                                 state_first=True)}
-    return {"variant": variant}
 
 
 def accepted_of(rng, tree, r) -> int:
@@ -68,7 +59,7 @@ def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypa
             tree_commit(pool, pending_slots, pending.result, torch.where(leaving, pending.paths.accepted, -1))
             pending = PendingCommit(PendingPaths.between_rounds(pending.paths.tree, pending.paths.accepted,
                                                                 pending_slots, slots, NUM_SLOTS), pending.result)
-        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, pending=pending, **verify_kwargs(variant, tree))
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, pending=pending)
         ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
         assert_close(res.o, ref.o, TOLERANCE[dtype], f"round {index} outputs")
         # the folded slots now hold the committed state of the previous round (the others are untouched)

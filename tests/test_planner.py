@@ -2,6 +2,7 @@
 and the kernels package as a leaf that imports nothing of the tuning layers."""
 
 import ast
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -94,6 +95,29 @@ def test_config_source_is_injected_and_its_tuned_variant_followed():
     assert plan(planner, device=GPU, variant="fused").variant == "fused"
 
 
+def test_the_state_first_order_runs_only_on_configs_tuned_or_given_for_it():
+    """From 512 heads and trees of <= 16 nodes the policy takes the resident kernel's state-first order ("stream",
+    dv / b_v programs per head); a bucket without a tuned entry keeps the resident kernel, and an entry tuned on
+    another kernel keeps that one."""
+    assert (H200_POLICY.stream_min_heads, H200_POLICY.stream_max_tree) == (512, 16)
+    assert H200_POLICY.variant(16, 32, 16) == "stream" and H200_POLICY.variant(16, 32, 17) == "resident"
+    policy = dataclasses.replace(H200_POLICY, stream_min_heads=64)  # these tests' 2 heads: 32 requests
+    big = dict(num_requests=32, max_tree_size=8, depth=3, check=False)
+    tuned = Planner(policy, config_source=lambda *a: (KernelConfig(16, 32, 4, 3), "stream"))
+    launch = plan(tuned, device=GPU, **big)
+    assert (launch.variant, launch.v_split) == ("stream", 1)
+    untuned = Planner(policy, config_source=lambda *a: (KernelConfig(16, 16, 4, 2), None))
+    assert plan(untuned, device=GPU, **big).variant == "resident"
+    other = Planner(policy, config_source=lambda *a: (KernelConfig(16, 16, 4, 2), "resident"))
+    assert plan(other, device=GPU, **big).variant == "resident"
+    given = plan(Planner(policy), config=KernelConfig(16, 16, 4, 2), **big)  # a tuner's trial: dv / b_v parts
+    assert (given.variant, given.v_split) == ("stream", 2)
+    with pytest.raises(ValueError, match="'stream' runs one value tile per program"):
+        plan(config=KernelConfig(16, 16, 4, 2), variant="stream", v_split=1)
+    with pytest.raises(ValueError, match="'stream' takes trees of at most 64"):
+        plan(variant="stream", max_tree_size=65)
+
+
 def test_self_check_runs_once_per_specialisation_and_failures_run_fused(monkeypatch):
     calls = []
 
@@ -131,14 +155,13 @@ def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
     launch = PLANNER.plan(HEADS, BF16, num_requests=2, max_tree_size=20, depth=tree.depth, device=device,
                           config=CONFIG, variant="resident")
     for changed in (launch, launch.replace(sweep_f16=False), launch.replace(v_split=2),
-                    launch.replace(v_split=2, state_first=True)):
+                    launch.replace(variant="stream", v_split=2)):
         assert_close(tree_verify(*x.args(tree), launch=changed).o, ref.o, TOLERANCE[BF16], f"o with {changed}")
     refusals = [
         (launch.replace(node_block=64), "launch.node_block"),
         (Launch("fused", CONFIG, 32, v_split=2), "the fused kernel has no value split"),
         (launch.replace(v_split=4), "launch.v_split"),
-        (launch.replace(v_split=1, state_first=True), "launch.state_first: streams one value tile"),
-        (Launch("fused", CONFIG, 32, state_first=True), "the fused kernel has no value split"),
+        (launch.replace(variant="stream", v_split=1), "launch.v_split: 'stream' streams one value tile"),
         (launch.replace(config=KernelConfig(64, 16, 4, 1)), "launch.config"),
         ("resident", "launch: expected a Launch"),
     ]

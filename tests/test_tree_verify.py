@@ -93,8 +93,9 @@ def test_tree_verify_matches_reference(device, case, variant):
 
 
 def test_variant_choice():
-    """The resident kernel from 512 (request bucket x head) pairs up, from 256 for trees of more than
-    32 nodes, up to 64 for trees of at most 32 nodes, and only for trees of at most 64 nodes."""
+    """The resident kernel from 512 (request bucket x head) pairs up (in its state-first order for trees of at
+    most 16 nodes), from 256 for trees of more than 32 nodes, up to 64 for trees of at most 32 nodes, and only
+    for trees of at most 64 nodes."""
     pick = H200_POLICY.variant
     assert (H200_POLICY.resident_min_heads, H200_POLICY.resident_min_heads_large_trees) == (512, 256)
     assert pick(16, 32, 64) == "resident"
@@ -104,9 +105,11 @@ def test_variant_choice():
     assert pick(8, 32, 32) == "fused"
     assert pick(4, 32, 64) == "fused"
     assert pick(16, 32, 65) == "fused"
-    assert pick(8, 64, 8) == "resident"
+    assert pick(8, 64, 16) == "stream"  # from 512 heads, trees of at most 16 nodes: the state-first order
+    assert pick(16, 32, 17) == "resident"
+    assert pick(4, 64, 8) == "fused"
     assert pick(1, 32, 64) == "fused"
-    assert pick(100, 32, 1) == "resident"
+    assert pick(100, 32, 1) == "stream"
     # one or two requests of small trees: the resident kernel, its rows split over programs
     assert (H200_POLICY.resident_max_heads_small, H200_POLICY.small_tree) == (64, 32)
     assert pick(1, 32, 4) == "resident"
@@ -130,9 +133,9 @@ def test_resident_split():
     assert split(3, 32, 128, 32) == split(4, 32, 128, 32)  # decided on the batch bucket
 
 
-@pytest.mark.parametrize("v_split,b_v,state_first", [(1, 16, False), (2, 16, False), (4, 16, False), (4, 16, True),
-                                                      (2, 32, True), (1, 64, True)])
-def test_resident_value_split_matches_reference(device, v_split, b_v, state_first):
+@pytest.mark.parametrize("variant,v_split,b_v", [("resident", 1, 16), ("resident", 2, 16), ("resident", 4, 16),
+                                                 ("stream", 4, 16), ("stream", 2, 32), ("stream", 1, 64)])
+def test_resident_value_split_matches_reference(device, variant, v_split, b_v):
     """Every split of a head's value rows over programs writes every output row, and only once each; so does the
     state-first order (one value tile per program, the factors after the stream)."""
     tree = make_tree([13, 1, 20], "random", seed=21, device=device)
@@ -143,7 +146,7 @@ def test_resident_value_split_matches_reference(device, v_split, b_v, state_firs
     res = result_buffers(shape, torch.float32, torch.device(device), tree, None)
     for buf in (res.o, res.u, res.log_decay, res.k, res.k_scale):
         buf.fill_(float("nan"))
-    launch = Launch("resident", KernelConfig(16, b_v, 4, 1), node_block=32, v_split=v_split, state_first=state_first)
+    launch = Launch(variant, KernelConfig(16, b_v, 4, 1), node_block=32, v_split=v_split)
     tree_verify(*x.args(tree), out=res, launch=launch)
     assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
     for name in ("u", "log_decay", "k", "k_scale"):

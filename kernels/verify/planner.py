@@ -39,7 +39,9 @@ from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
 
 from .resident import RESIDENT_MAX_NODES
 
-VARIANTS = ("fused", "resident")
+VARIANTS = ("fused", "resident", "stream")
+"""The kernels a launch runs on: the fused kernel, the resident kernel, and the resident kernel streaming its one
+value tile of S_pre first (`resident.py`, ``STATE_FIRST``)."""
 DEFAULT_CONFIG_SOURCE = "bole_tune.lookup:tuned_launch"
 
 
@@ -63,6 +65,13 @@ class LaunchPolicy:
     state_split_min_block: bf16 inputs take S_pre as two bf16 parts in the resident kernel's state
         products from this node block on (T=64: 3-10% faster, 9B B=16 61.8 against 64.0 us, and 2.5x
         more accurate where the state predicts v; mixed on smaller trees).
+    stream_min_heads, stream_max_tree: from this many heads, trees of at most this many nodes run the resident kernel
+        in its state-first order ("stream": one value tile per program, ``dv / b_v`` programs per head, the Gram
+        products in the state stream's key steps, the factors after it): 9B B=16 4-chain verify 16.1 against 16.8 us,
+        folded 40.5 against 46.1; T=16 17.9 against 18.7, folded 42.6 against 48.4; B=32 8-chain 32.1 against 32.6
+        (`lab/state_first.py`); at T=64 it is slower (92 against 57 us). Only where the bucket's config was tuned on
+        it or is given: an untuned bucket keeps the resident kernel (the default config's narrow value tiles would
+        repeat the factors over four programs per head).
     sweep_f16_max_depth, sweep_f16_max_scale: the resident kernel's level sweeps run on fp16 tensor
         cores for 16-bit inputs with L2-normalised keys, trees at most this deep (partial sums stay
         below 2^(depth - 1) = 2048) and q scales at most this large (5-8% faster at T=64).
@@ -75,6 +84,8 @@ class LaunchPolicy:
     small_tree: int = 32
     resident_target_programs: int = 128
     state_split_min_block: int = 64
+    stream_min_heads: int = 512
+    stream_max_tree: int = 16
     sweep_f16_max_depth: int = 12
     sweep_f16_max_scale: float = 256.0
 
@@ -82,6 +93,8 @@ class LaunchPolicy:
         """The kernel for this batch, decided on its buckets (not exact sizes), so a tuned config always
         runs on the kernel it was tuned for."""
         heads, size = batch_bucket(num_requests) * hv, tree_bucket(max_tree_size)
+        if heads >= self.stream_min_heads and size <= self.stream_max_tree:
+            return "stream"
         if max_tree_size <= RESIDENT_MAX_NODES and (
                 heads >= self.resident_min_heads
                 or (heads >= self.resident_min_heads_large_trees and size > self.large_tree)
@@ -120,10 +133,9 @@ H200_POLICY = LaunchPolicy()
 class Launch:
     """One verification launch, as it runs.
 
-    variant: "fused" or "resident"; config: its tiles; node_block: rows solved together (``B_T``);
-    v_split: the resident kernel's programs per head (1 for the fused kernel); state_split, sweep_f16:
-    the resident kernel's precision switches (False for the fused kernel); state_first: the resident kernel
-    streams its one value tile of S_pre first and solves the factors after it (``v_split * b_v == dv``); fallback: why a resident
+    variant: "fused", "resident" or "stream" (`VARIANTS`); config: its tiles; node_block: rows solved together
+    (``B_T``); v_split: the resident kernel's programs per head (1 for the fused kernel, ``dv / b_v`` for "stream");
+    state_split, sweep_f16: the resident kernel's precision switches (False for the fused kernel); fallback: why a resident
     launch was moved to the fused kernel ("" if it was not), with the self-check's error if it failed.
     """
 
@@ -133,7 +145,6 @@ class Launch:
     v_split: int = 1
     state_split: bool = False
     sweep_f16: bool = False
-    state_first: bool = False
     fallback: str = ""
     fallback_error: float | None = None
 
@@ -186,9 +197,9 @@ class Planner:
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
         config: None takes the tuned one (on a GPU; the default elsewhere) and the kernel it was tuned on.
-        variant: force "fused" or "resident". tuned_on: the kernel a given ``config`` was tuned on, followed
-            (without a forced variant) where that kernel takes the batch. v_split: force the resident kernel's
-            value split (a power of two with ``v_split * b_v <= dv``). check: run the resident self-check (a
+        variant: force "fused", "resident" or "stream". tuned_on: the kernel a given ``config`` was tuned on,
+            followed (without a forced variant) where that kernel takes the batch. v_split: force the resident
+            kernel's value split (a power of two with ``v_split * b_v <= dv``; "stream" runs ``dv / b_v``). check: run the resident self-check (a
             launch that fails it comes back on the fused kernel with ``fallback`` set). fold: the launch folds the
             previous round's commit in (``pending=``): the config source is asked for that launch's own tuned
             config (``fold=True``; a source without that keyword is asked as for the verify).
@@ -198,9 +209,10 @@ class Planner:
             raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
         if v_split is not None and not _power_of_two(v_split):
             raise ValueError(f"v_split: expected a power of two (programs per head) or None, got {v_split!r}")
-        if variant == "resident" and max_tree_size > RESIDENT_MAX_NODES:
-            raise ValueError(f"variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
+        if variant in ("resident", "stream") and max_tree_size > RESIDENT_MAX_NODES:
+            raise ValueError(f"variant: {variant!r} takes trees of at most {RESIDENT_MAX_NODES} nodes per request; "
                              f"this batch has a tree of {max_tree_size}")
+        untuned = config is None
         if config is None:
             if device.type == "cuda":
                 extra = {"fold": True} if fold and self._source_takes_fold() else {}
@@ -209,6 +221,7 @@ class Planner:
                 config = default_config(heads.dk, heads.dv)
         if variant is None and tuned_on in VARIANTS and (tuned_on == "fused" or max_tree_size <= RESIDENT_MAX_NODES):
             variant = tuned_on
+        untuned = untuned and tuned_on is None
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
         if not config.fits(heads.dk, heads.dv):
@@ -216,12 +229,20 @@ class Planner:
         if v_split is not None and v_split * config.b_v > heads.dv:
             raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {heads.dv} "
                              f"(b_v = {config.b_v}), got {v_split!r}")
-        variant = variant or self.policy.variant(num_requests, heads.hv, max_tree_size)
+        if variant is None:
+            variant = self.policy.variant(num_requests, heads.hv, max_tree_size)
+            if variant == "stream" and untuned:  # the state-first order only with tiles tuned (or given) for it
+                variant = "resident"
+        if variant == "stream" and v_split is not None and v_split * config.b_v != heads.dv:
+            raise ValueError(f"v_split: 'stream' runs one value tile per program, dv / b_v = {heads.dv // config.b_v} "
+                             f"programs per head; got {v_split!r}")
         block = node_block(max_tree_size)
         if variant == "fused":
             return Launch("fused", config, block)
         scale = heads.dk ** -0.5 if scale is None else float(scale)
-        launch = Launch("resident", config, block,
+        if variant == "stream":
+            v_split = heads.dv // config.b_v
+        launch = Launch(variant, config, block,
                         v_split=v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v),
                         state_split=self.policy.state_split(dtype, block),
                         sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale))
@@ -244,20 +265,20 @@ class Planner:
             raise ValueError(f"launch.node_block: {launch.node_block}, but a batch whose largest tree has "
                              f"{max_tree_size} nodes is solved in blocks of {block}")
         if launch.variant == "fused":
-            if launch.v_split != 1 or launch.state_split or launch.sweep_f16 or launch.state_first:
-                raise ValueError("launch: the fused kernel has no value split, state split, fp16 sweeps or state-first "
-                                 f"order (got v_split={launch.v_split}, state_split={launch.state_split}, "
-                                 f"sweep_f16={launch.sweep_f16}, state_first={launch.state_first})")
+            if launch.v_split != 1 or launch.state_split or launch.sweep_f16:
+                raise ValueError("launch: the fused kernel has no value split, state split or fp16 sweeps "
+                                 f"(got v_split={launch.v_split}, state_split={launch.state_split}, "
+                                 f"sweep_f16={launch.sweep_f16})")
             return
         if max_tree_size > RESIDENT_MAX_NODES:
-            raise ValueError(f"launch.variant: 'resident' takes trees of at most {RESIDENT_MAX_NODES} nodes per "
-                             f"request; this batch has a tree of {max_tree_size}")
+            raise ValueError(f"launch.variant: {launch.variant!r} takes trees of at most {RESIDENT_MAX_NODES} nodes "
+                             f"per request; this batch has a tree of {max_tree_size}")
         if not _power_of_two(launch.v_split) or launch.v_split * launch.config.b_v > heads.dv:
             raise ValueError(f"launch.v_split: expected a power of two with v_split * b_v <= dv = {heads.dv}, "
                              f"got {launch.v_split!r}")
-        if launch.state_first and launch.v_split * launch.config.b_v != heads.dv:
-            raise ValueError(f"launch.state_first: streams one value tile per program, so v_split * b_v must be dv = "
-                             f"{heads.dv} (got v_split={launch.v_split}, b_v={launch.config.b_v})")
+        if launch.variant == "stream" and launch.v_split * launch.config.b_v != heads.dv:
+            raise ValueError(f"launch.v_split: 'stream' streams one value tile per program, so v_split * b_v must be "
+                             f"dv = {heads.dv} (got v_split={launch.v_split}, b_v={launch.config.b_v})")
         if launch.state_split and dtype != torch.bfloat16:
             raise ValueError(f"launch.state_split: splits S_pre into bf16 parts, for bf16 inputs only (got {dtype})")
         if launch.sweep_f16 and not self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale):
@@ -271,9 +292,9 @@ class Planner:
         specialisation fails the self-check (checked once per process and specialisation; ``deep``: a
         batch deeper than the fp16 sweeps allow, checked on a chain). Inside a CUDA graph capture no
         check can run: an unchecked specialisation runs on the fused kernel."""
-        if launch.variant != "resident" or device.type != "cuda" or self.self_check is None:
+        if launch.variant == "fused" or device.type != "cuda" or self.self_check is None:
             return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
-        key = (launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16, launch.state_first,
+        key = (launch.variant, launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16,
                heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
         result = self.checks.get(key)
         if result is None:

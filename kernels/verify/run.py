@@ -32,11 +32,11 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     k, sk_n, sk_h = token_head_strides(k)
     v, sv_n, sv_h = token_head_strides(v)
     block_depth, max_blocks = tree.block_depths(launch.node_block)
-    if launch.variant == "resident":
+    if launch.variant in ("resident", "stream"):
         kernel, grid = RESIDENT, (h.hv * launch.v_split, shape.num_requests)
         blocks = ()
         extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
-                 "STATE_FIRST": launch.state_first}
+                 "STATE_FIRST": launch.variant == "stream"}
     else:
         kernel, grid = FUSED, (h.dv // config.b_v, h.hv, shape.num_requests)
         blocks, extra = (max_blocks,), {}

@@ -44,8 +44,8 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         config: tile configuration; None takes the tuned one for this GPU and shape.
         validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
         out: a `TreeVerifyResult` to write into instead of allocating (buffers reused across layers).
-        variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head)
-            or None: with ``config=None`` the kernel the database's config was tuned on, else the
+        variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head),
+            "stream" (the resident kernel, one value tile of ``b_v`` rows per program, its state read first) or None: with ``config=None`` the kernel the database's config was tuned on, else the
             planner's choice by batch and tree size. Both give the same results.
         v_split: the resident kernel's programs per head (a power of two, at most ``dv / b_v``); None:
             the planner's for the batch's bucket (what the tuner timed). Ignored by the fused kernel.
