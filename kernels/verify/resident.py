@@ -20,6 +20,11 @@ programs need every register of an SM. Here the work is split where the math spl
 
    (`blocks.state_products`, with S_pre split in two bf16 parts under ``STATE_SPLIT``).
 
+With ``STATE_FIRST`` (the planner's "stream" variant: one ``b_v`` tile per program, ``V_SPLIT = dv / b_v``) the
+order is reversed: the program's state tiles stream first, the Gram products and norms of step 1 taken in the
+same key steps as the state products (q and k read once), and the factors are solved after the stream, so the
+state's loads do not wait on the factor chain; the readout is the same.
+
 The sweeps cost ``T^3`` per head instead of ``T^2 dv`` and nothing ``T x T`` leaves the SM. With one
 program per head it needs many heads to fill a GPU, and ``V_SPLIT`` programs share a head's value rows
 (each recomputing the factors) where a launch would be too small; the planner decides both
