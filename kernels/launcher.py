@@ -1,4 +1,4 @@
-"""Launching a compiled Triton kernel with little host time (docs/host-path.md).
+"""Launching a compiled Triton kernel with less host time (BENCHMARKS.md, "A layer's round": host time).
 
 ``fn[grid](*args, **meta)`` costs about 37 us of host time on the H200's host for the verify kernels' 56
 arguments: Triton's binder works out each argument's specialisation (15 us), turns it into a cache key (4 us),
