@@ -251,7 +251,7 @@ def _database_file(tmp_path, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(kernel="turbo"), "kernel: expected one of fused, resident, got 'turbo'"),
+    (dict(kernel="turbo"), "kernel: expected one of fused, resident, stream, got 'turbo'"),
     (dict(latency_us={"p20": 1.0, "p50": float("inf"), "p80": 2.0}), "latency_us.p50: expected a finite"),
     (dict(default_latency_us={"p20": 1.0, "p50": 2.0, "p80": float("nan")}), "default_latency_us.p80"),
 ], ids=["unknown-kernel", "inf-latency", "nan-latency"])
@@ -323,7 +323,7 @@ CLI_CASES = {
     "lookup-dk-100": ([*LOOKUP[:8], "100", *LOOKUP[9:]], "--dk: invalid choice: 100"),
     "lookup-policy": (LOOKUP, "BOLE_TUNE_LOOKUP: unknown policy 'fastest'"),
     "lookup-inf": ([*LOOKUP, "--json", "--db-dir", "INFDB"], "latency_us.p50: expected a finite"),
-    "lookup-kernel": ([*LOOKUP, "--db-dir", "KERNELDB"], "kernel: expected one of fused, resident"),
+    "lookup-kernel": ([*LOOKUP, "--db-dir", "KERNELDB"], "kernel: expected one of fused, resident, stream"),
 }
 
 
