@@ -21,7 +21,8 @@ from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 16, "random"), (1, 4, "chain"), (16, 64, "random")]
-CONFIGS = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64, 32) for b_k in (32, 64) for w in (4, 8) for s in (2, 3)]
+CONFIGS = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64, 32) for b_k in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
+           if (b_k == 128) == (s == 1)]  # whole key rows (the tile loaded at once) have no key loop to pipeline
 
 
 def main() -> None:
@@ -31,9 +32,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two configs a case")
     parser.add_argument("--cases", type=int, default=len(CASES), help="the first N cases only")
     parser.add_argument("--b-v", default="128,64,32", help="value tiles of the state-first configs")
+    parser.add_argument("--b-k", default="32,64,128", help="key steps of the state-first configs (128: whole rows)")
     args = parser.parse_args()
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
-    configs = [c for c in CONFIGS if str(c.b_v) in args.b_v.split(",")]
+    configs = [c for c in CONFIGS if str(c.b_v) in args.b_v.split(",") and str(c.b_k) in args.b_k.split(",")]
     configs = configs[:: len(configs) // 2] if args.quick else configs
     rows = []
     for batch, size, kind in CASES[:args.cases]:

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from bole_tune.config import KernelConfig
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
 from bole_tune.workloads import make_inputs, make_tree
@@ -14,14 +15,16 @@ from helpers import TOLERANCE, assert_close
 F32, BF16 = torch.float32, torch.bfloat16
 NUM_SLOTS = 7
 
-# id -> (variant, dtype, tree sizes per round (one list per round, one size per request), tree kind)
+# id -> (variant, dtype, tree sizes per round (one list per round, one size per request), tree kind[, config])
 CASES = {
     "fused-fp32-trees": ("fused", F32, [[5, 9, 1], [12, 3, 7, 2], [6, 6], [10, 1, 4]], "random"),
     "resident-bf16-trees": ("resident", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
     "fused-fp32-multi-block-chains": ("fused", F32, [[70, 3], [66, 12], [5, 80]], "chain"),
     "resident-fp32-chains": ("resident", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
-    # the resident kernel streaming its one value tile first, 2 programs per head
+    # the resident kernel streaming its one value tile first: whole key rows at once (the default tiles here,
+    # b_k = dk = 32), and in key steps of 16 over two programs per head
     "stream-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
+    "stream-key-steps-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random", KernelConfig(16, 16, 4, 1)),
 }
 
 
@@ -44,7 +47,7 @@ def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypa
     if case == "fallback":  # off a GPU without the interpreter: the PyTorch closed form does the same
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         device, case = "cpu", "fused-fp32-trees"
-    variant, dtype, rounds, kind = CASES[case]
+    variant, dtype, rounds, kind, *config = CASES[case]
     rng = random.Random(7)
     pool = make_inputs(make_tree([1], device=device), 2, 4, 32, 32, dtype, device, num_slots=NUM_SLOTS).state
     truth = pool.clone()  # the reference pool, committed round by round (float64 inside each round)
@@ -59,7 +62,8 @@ def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypa
             tree_commit(pool, pending_slots, pending.result, torch.where(leaving, pending.paths.accepted, -1))
             pending = PendingCommit(PendingPaths.between_rounds(pending.paths.tree, pending.paths.accepted,
                                                                 pending_slots, slots, NUM_SLOTS), pending.result)
-        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, pending=pending)
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, pending=pending,
+                          config=config[0] if config else None)
         ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
         assert_close(res.o, ref.o, TOLERANCE[dtype], f"round {index} outputs")
         # the folded slots now hold the committed state of the previous round (the others are untouched)

@@ -133,11 +133,14 @@ def test_resident_split():
     assert split(3, 32, 128, 32) == split(4, 32, 128, 32)  # decided on the batch bucket
 
 
-@pytest.mark.parametrize("variant,v_split,b_v", [("resident", 1, 16), ("resident", 2, 16), ("resident", 4, 16),
-                                                 ("stream", 4, 16), ("stream", 2, 32), ("stream", 1, 64)])
-def test_resident_value_split_matches_reference(device, variant, v_split, b_v):
+@pytest.mark.parametrize("variant,v_split,b_v,b_k", [("resident", 1, 16, 16), ("resident", 2, 16, 16),
+                                                     ("resident", 4, 16, 16), ("stream", 4, 16, 16),
+                                                     ("stream", 2, 32, 16), ("stream", 1, 64, 16),
+                                                     ("stream", 2, 32, 32), ("stream", 1, 64, 32)])
+def test_resident_value_split_matches_reference(device, variant, v_split, b_v, b_k):
     """Every split of a head's value rows over programs writes every output row, and only once each; so does the
-    state-first order (one value tile per program, the factors after the stream)."""
+    state-first order (one value tile per program, the factors after the stream), also with whole key rows
+    (b_k = dk: the tile loaded at once, the factors before it is used)."""
     tree = make_tree([13, 1, 20], "random", seed=21, device=device)
     x = make_inputs(tree, 2, 4, 32, 64, torch.float32, device, seed=21)
     ref = verify_reference(*x.args(tree))
@@ -146,7 +149,7 @@ def test_resident_value_split_matches_reference(device, variant, v_split, b_v):
     res = result_buffers(shape, torch.float32, torch.device(device), tree, None)
     for buf in (res.o, res.u, res.log_decay, res.k, res.k_scale):
         buf.fill_(float("nan"))
-    launch = Launch(variant, KernelConfig(16, b_v, 4, 1), node_block=32, v_split=v_split)
+    launch = Launch(variant, KernelConfig(b_k, b_v, 4, 1), node_block=32, v_split=v_split)
     tree_verify(*x.args(tree), out=res, launch=launch)
     assert_close(res.o, ref.o, TOLERANCE[torch.float32], "o")
     for name in ("u", "log_decay", "k", "k_scale"):

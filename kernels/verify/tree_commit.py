@@ -80,14 +80,18 @@ def tree_commit_kernel(
     accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
     # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
     # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
     mark = tl.load(committed_ptr + i_r)
-    if (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch)):
+    commit = (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch))
+    o_k = i_k * B_K + tl.arange(0, B_K)
+    p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
+    # the first tile is requested at once, before the path's chain of dependent loads (the path, then its
+    # factors) that the update waits on: its bytes are in flight meanwhile
+    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0)
+    if commit:
         tl.store(committed_ptr + i_r, epoch)
-        slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        o_k = i_k * B_K + tl.arange(0, B_K)
-        p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
         # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state
         for i_p in range(0, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
@@ -100,7 +104,8 @@ def tree_commit_kernel(
             for i_c in range(0, V_SPAN // B_V):
                 o_c = i_c * B_V + tl.arange(0, B_V)
                 o_v = i_span * V_SPAN + o_c
-                b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+                later = (i_p > 0) | (i_c > 0)
+                b_s = tl.where(later, tl.load(p_slab + o_c[:, None] * stride_s_v, mask=later, other=0), b_first)
                 b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
                               mask=m_p[:, None], other=0)
                 b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
