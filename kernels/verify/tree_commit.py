@@ -63,6 +63,7 @@ def tree_commit_kernel(
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
+    UPDATE: tl.constexpr = "ieee",
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -106,14 +107,28 @@ def tree_commit_kernel(
                 o_v = i_span * V_SPAN + o_c
                 later = (i_p > 0) | (i_c > 0)
                 b_s = tl.where(later, tl.load(p_slab + o_c[:, None] * stride_s_v, mask=later, other=0), b_first)
-                b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                              mask=m_p[:, None], other=0)
-                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
+                if UPDATE == "rank1":
+                    # one outer product per node of the path (its real length, not B_P)
+                    b_s = decay * b_s
+                    o_p = i_p * B_P + tl.arange(0, B_P)
+                    for j in range(0, tl.sum(m_p.to(tl.int32), axis=0)):
+                        row_j = tl.sum(tl.where(o_p == i_p * B_P + j, rows, 0), axis=0)
+                        w_j = tl.sum(tl.where(o_p == i_p * B_P + j, weight, 0.0), axis=0)
+                        u_j = tl.load(u_ptr + row_j * (H_V * D_V) + i_h * D_V + o_v)
+                        k_j = tl.load(k_ptr + row_j * (H_K * D_K) + i_hk * D_K + o_k).to(tl.float32)
+                        b_s += (w_j * u_j)[:, None] * k_j[None, :]
+                else:
+                    b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                                  mask=m_p[:, None], other=0)
+                    b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision=UPDATE)
                 tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
             tl.debug_barrier()
 
 
 COMMIT = FastLauncher(tree_commit_kernel)
+COMMIT_UPDATE = "ieee"
+"""How the commit adds the path's updates to a tile: "ieee" (a product over B_P path rows in fp32 FMAs), "tf32x3"
+(the same product on tensor cores, three tf32 passes) or "rank1" (one fp32 outer product per node of the path)."""
 
 _config_source: Callable | None = None
 
@@ -253,5 +268,5 @@ def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, com
         states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
         u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=config.b_v, V_SPAN=v_span,
-        B_P=16, num_warps=config.num_warps, num_stages=config.num_stages,
+        B_P=16, UPDATE=COMMIT_UPDATE, num_warps=config.num_warps, num_stages=config.num_stages,
     )
