@@ -1,10 +1,11 @@
-"""Issue 17: how the commit adds the accepted path's updates to a state tile, side by side on the H200.
+"""Issue 17: the all-layer commit's ways of finding and applying the accepted path, side by side on the H200.
 
-`tree_commit.COMMIT_UPDATE` picks the product: "ieee" (the path's B_P rows, padded, in fp32 FMAs), "tf32x3" (the
-same product on tensor cores, three tf32 passes) or "rank1" (one fp32 outer product per node the path really
-has). Each is checked against the closed form (`CommitBench.check`) before it is timed, for a few tiles, at one
-launch for all 24 layers of Qwen3.5-9B, per layer; beside it, an in-place-sized copy of the same bytes
-(`torch.Tensor.copy_` of the layers' states), the floor a commit can approach.
+Modes: "search" (each program gathers its path 16 nodes at a time, as `tree_commit` does), "table" (the paths
+worked out once per launch, `tree_commit.path_table`, read by every program) and "table-tf32x3" (the path's
+product on tensor cores, `tree_commit.COMMIT_UPDATE`). Each is checked against the closed form
+(`CommitBench.check`) before it is timed, for a few tiles, at one launch for all 24 layers of Qwen3.5-9B, per
+layer; beside them, the same bytes copied (`copy_` into another buffer) and scaled in place (`mul_`), the floors a
+commit can approach (per layer, one set of the rotation).
 
     python3 lab/commit_update.py [--json OUT] [--repeats N]
 """
@@ -26,10 +27,11 @@ from bole_tune.timing import time_launches
 
 HEADS = HeadShape(hk=16, hv=32, dk=128, dv=128)
 CASES = [(16, 8), (32, 8), (1, 8)]
-CONFIGS = [CommitConfig(128, 16, 128, 2, 3), CommitConfig(128, 16, 64, 2, 3), CommitConfig(128, 32, 128, 4, 3),
-           CommitConfig(128, 32, 32, 4, 2), CommitConfig(64, 32, 64, 4, 3), CommitConfig(128, 64, 64, 4, 2),
-           CommitConfig(128, 16, 16, 2, 1), CommitConfig(64, 16, 128, 2, 3)]
-MODES = ("ieee", "tf32x3", "rank1")
+CONFIGS = [CommitConfig(128, 16, 128, 2, 3), CommitConfig(128, 32, 128, 4, 3), CommitConfig(64, 16, 128, 2, 3),
+           CommitConfig(32, 128, 128, 4, 1), CommitConfig(64, 64, 64, 4, 1), CommitConfig(128, 32, 32, 4, 1),
+           CommitConfig(64, 32, 32, 2, 1), CommitConfig(32, 64, 64, 2, 1), CommitConfig(128, 16, 16, 2, 1),
+           CommitConfig(64, 128, 128, 8, 1), CommitConfig(128, 16, 64, 2, 3), CommitConfig(32, 32, 32, 1, 1)]
+MODES = {"search": (False, "ieee"), "table": (True, "ieee"), "table-tf32x3": (True, "tf32x3")}
 
 
 def main() -> None:
@@ -45,13 +47,15 @@ def main() -> None:
         tuned = tuned_commit(HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, torch.bfloat16, size, batch, args.layers,
                              torch.device("cuda"))
         _, states, _, _, _ = bench.sets()
-        other = torch.empty_like(states)
-        copy = time_launches(lambda _: other.copy_(states), 1, "cuda", repeats=args.repeats).p50_us / args.layers
+        one_set = states[:, :batch]
+        other = torch.empty_like(one_set)
+        copy = time_launches(lambda _: other.copy_(one_set), 1, "cuda", repeats=args.repeats).p50_us / args.layers
+        scale = time_launches(lambda _: one_set.mul_(1.0), 1, "cuda", repeats=args.repeats).p50_us / args.layers
         row = {"batch": batch, "tree_size": size, "layers": args.layers, "tuned": tuned.text if tuned else None,
-               "copy_us_per_layer": round(copy, 2), "times": {}}
+               "copy_us_per_layer": round(copy, 2), "in_place_us_per_layer": round(scale, 2), "times": {}}
         for config in dict.fromkeys(([tuned] if tuned else []) + CONFIGS):
-            for mode in MODES:
-                tc.COMMIT_UPDATE = mode
+            for mode, (table, update) in MODES.items():
+                tc.COMMIT_PATH_TABLE, tc.COMMIT_UPDATE = table, update
                 name = f"{mode} {config.b_k}/{config.b_v}/{config.v_span}/{config.num_warps}/{config.num_stages}"
                 try:
                     error = bench.check(config)
@@ -59,14 +63,14 @@ def main() -> None:
                     row["times"][name] = {"us_per_layer": round(t, 2), "error": error}
                 except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                     row["times"][name] = {"failed": f"{type(e).__name__}: {str(e)[:160]}"}
-        tc.COMMIT_UPDATE = "ieee"
+        tc.COMMIT_PATH_TABLE, tc.COMMIT_UPDATE = True, "ieee"
         rows.append(row)
         ok = sorted((v["us_per_layer"], k) for k, v in row["times"].items() if "us_per_layer" in v)
         best = {m: min((t for t, k in ok if k.startswith(m + " ")), default=float("nan")) for m in MODES}
-        print(f"B={batch:>2} T={size} L={args.layers}: copy {copy:.1f} us/layer | best " +
+        print(f"B={batch:>2} T={size} L={args.layers}: copy {copy:.1f}, in place {scale:.1f} us/layer | best " +
               " ".join(f"{m} {best[m]:.1f}" for m in MODES) + f" | overall {ok[0][1]} {ok[0][0]:.1f}"
               f" ({ok[0][0] / copy:.2f}x copy)", flush=True)
-        del bench, states, other
+        del bench, states, other, one_set
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -402,14 +402,24 @@ def test_resident_self_check_passes_a_good_config(device):
         assert error <= tolerance, (deep, error, tolerance)
 
 
-@pytest.mark.parametrize("layers,sizes", [(3, [5, 1, 9]), (1, [20])], ids=["L3-B3", "L1-B1"])
-def test_one_commit_launch_for_all_layers(device, layers, sizes):
+@pytest.mark.parametrize("path_table", [True, False], ids=["path-table", "path-search"])
+@pytest.mark.parametrize("layers,sizes,kind", [(3, [5, 1, 9], "random"), (1, [20], "random"), (2, [18, 3], "chain")],
+                         ids=["L3-B3", "L1-B1", "L2-B2-deep-chain"])
+def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, path_table, monkeypatch):
     """tree_commit_layers commits every layer's accepted path in one launch: each layer's slot equals the
-    float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched."""
+    float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched;
+    with the paths worked out once (`path_table`; trees less than 16 deep) or searched in every program."""
     from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
 
-    tree = make_tree(sizes, "random", seed=31, device=device)
+    monkeypatch.setattr(commit_module, "COMMIT_PATH_TABLE", path_table)
+    tree = make_tree(sizes, kind, seed=31, device=device)
+    if kind == "chain":
+        assert commit_module.path_table(tree, torch.zeros(2, dtype=torch.int32, device=device)) is None
+    else:
+        assert tree.depth < 16 and commit_module.path_table(tree, torch.zeros(len(sizes), dtype=torch.int32,
+                                                                              device=device)).shape[1] == 16
     heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
     results = LayerResults.empty(layers, tree, heads, torch.float32, device)
     pools, expected = [], []
