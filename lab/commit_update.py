@@ -8,6 +8,10 @@ layer; beside them, the same bytes copied (`copy_` into another buffer) and scal
 commit can approach (per layer, one set of the rotation).
 
     python3 lab/commit_update.py [--json OUT] [--repeats N]
+
+The switches it sets (`tree_commit.COMMIT_PATH_TABLE`, `COMMIT_UPDATE`) exist at commit 5fb36eb only: neither
+gained at the tuned tiles (BENCHMARKS.md, "A layer's round", fifth session), so main keeps the searching kernel
+without them. Run it from a checkout of that commit (`git worktree add /tmp/c 5fb36eb`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", type=int, default=24)
     args = parser.parse_args()
+    if not hasattr(tc, "COMMIT_PATH_TABLE"):
+        raise SystemExit("lab/commit_update.py: this kernel has no commit switches; run it at commit 5fb36eb")
     rows = []
     for batch, size in CASES:
         key = CommitKey.bucketed(HEADS, "bf16", size, batch, layers=args.layers)

@@ -3,7 +3,11 @@ the Gram products taken in the same key steps as the state products, the factors
 planner's launch, verify alone and folded, 9B heads, bf16, CUDA graphs over rotating sets. Every launch is
 checked against the float64 reference first (`CaseBench.check`, and `CaseBench.fold_errors` for the fold).
 
-    python3 lab/state_first.py [--json OUT] [--quick]
+    python3 lab/state_first.py [--json OUT] [--quick] [--b-k 32,128]
+
+Whole key rows (b_k = 128) were timed at commit d10e5b1 with the tile loaded at once, before the factors (fifth
+session: slower everywhere, 23.3 against 16.2 us at B=16 4-chains; removed); on main they run the stream's one
+key step.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from bole_tune.shapes import HeadShape
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 16, "random"), (1, 4, "chain"), (16, 64, "random")]
 CONFIGS = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64, 32) for b_k in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
-           if (b_k == 128) == (s == 1)]  # whole key rows (the tile loaded at once) have no key loop to pipeline
+           if (b_k == 128) == (s == 1)]  # whole key rows: one key step, nothing to pipeline
 
 
 def main() -> None:

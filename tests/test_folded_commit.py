@@ -21,7 +21,7 @@ CASES = {
     "resident-bf16-trees": ("resident", BF16, [[9, 20], [17, 5, 3], [30, 2, 8], [4, 4]], "random"),
     "fused-fp32-multi-block-chains": ("fused", F32, [[70, 3], [66, 12], [5, 80]], "chain"),
     "resident-fp32-chains": ("resident", F32, [[4, 4, 4], [8, 3], [4, 6, 2]], "chain"),
-    # the resident kernel streaming its one value tile first: whole key rows at once (the default tiles here,
+    # the resident kernel streaming its one value tile first: in one step of whole key rows (the default tiles here,
     # b_k = dk = 32), and in key steps of 16 over two programs per head
     "stream-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
     "stream-key-steps-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random", KernelConfig(16, 16, 4, 1)),

@@ -86,12 +86,6 @@ def tree_verify_resident_kernel(
     b_g = floored(tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32))
 
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
-    if STATE_FIRST and B_K == D_K:
-        # whole key rows ("stream" with b_k = dk): the program's [b_v, dk] tile of S_pre is requested before anything
-        # else it waits on (the pending path's dependent loads, q and k, the factor chain), so its bytes are in
-        # flight while the factors are worked out
-        o_v = i_part * B_V + tl.arange(0, B_V)
-        b_s = tl.load(p_state + o_v[:, None] * stride_s_v + tl.arange(0, D_K)[None, :])
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
@@ -100,27 +94,7 @@ def tree_verify_resident_kernel(
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
     ssq_k = tl.zeros([B_T], dtype=tl.float32)
-    if STATE_FIRST and B_K == D_K:
-        # the tile loaded above: the factors first (they do not need it), then the fold, the products, the readout
-        if FOLD:
-            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
-        o_k = tl.arange(0, D_K)
-        b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
-            q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
-            stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
-            D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
-        b_w, b_m, a_q, a_k = head_factors(
-            b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
-            logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
-            B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
-        if FOLD:
-            b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
-            tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
-        b_qs, b_ks = state_products(b_q, b_k, b_s, tl.zeros([B_T, B_V], dtype=tl.float32),
-                                    tl.zeros([B_T, B_V], dtype=tl.float32), DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-        readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-                H_V, D_V, DOT_PRECISION)
-    elif STATE_FIRST:
+    if STATE_FIRST:
         # one value tile per program (B_V = D_V / V_SPLIT): S_pre's stream starts at once, the Gram products ride
         # along in the same key steps (q and k read once), and the factors follow the stream
         o_v = i_part * B_V + tl.arange(0, B_V)

@@ -42,7 +42,6 @@ from ..launcher import FastLauncher
 from ..reference import commit_closed_form
 from .blocks import path_factors
 from .checks import check_commit_inputs
-from .pending import path_width, pending_path_rows
 from .result import TreeVerifyResult, commit_epoch
 
 DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
@@ -56,15 +55,14 @@ DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
 def tree_commit_kernel(
     # state pool and request metadata
     state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
-    # factors from the verification; the paths' rows by depth (`pending.pending_path_rows`) under PATH_TABLE
-    u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch, path_rows_ptr,
+    # factors from the verification
+    u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch,
     # strides (per layer: 0 for a single layer)
     stride_s_layer, stride_s_slot, stride_s_h, stride_s_v,
     stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, stride_committed_layer, num_requests,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
-    UPDATE: tl.constexpr = "ieee", PATH_TABLE: tl.constexpr = False,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -79,82 +77,38 @@ def tree_commit_kernel(
     i_hk = i_h // (H_V // H_K)
     i_span = i_tile // (D_K // B_K)
     i_k = i_tile % (D_K // B_K)
-    if PATH_TABLE:
-        # the path's rows by depth, worked out once for all layers: no search in any program
-        rows = tl.load(path_rows_ptr + i_r * B_P + tl.arange(0, B_P)).to(tl.int64)
-        m_p = rows >= 0
-        row_a = tl.max(rows, axis=0)  # the accepted node: a path's rows grow with depth (parents come first)
+    accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
+    # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
+    mark = tl.load(committed_ptr + i_r)
+    if (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch)):
+        tl.store(committed_ptr + i_r, epoch)
         slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        mark = tl.load(committed_ptr + i_r)
-        commit = (row_a >= 0) & ((mark == 0) | (mark == epoch))
         o_k = i_k * B_K + tl.arange(0, B_K)
         p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-        # the first tile is requested at once, beside the path: its bytes are in flight while the factors load
-        b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0)
-        if commit:
-            tl.store(committed_ptr + i_r, epoch)
-            rows = tl.where(m_p, rows, 0)
-            logp_a = tl.load(logp_ptr + row_a * H_V + i_h)
-            logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
-            scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
-            weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
+        # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
+        # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state
+        for i_p in range(0, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
+            rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
+                                                     node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
                           mask=m_p[:, None], other=0).to(tl.float32)
-            commit_span(b_first, p_slab, rows, m_p, weight, tl.exp(logp_a), b_k, i_span, i_h, u_ptr, stride_s_v,
-                        0, H_V, D_V, B_V, V_SPAN, UPDATE)
-    else:
-        accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
-        bos = tl.load(offsets_ptr + i_r).to(tl.int64)
-        num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
-        slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
-        # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
-        mark = tl.load(committed_ptr + i_r)
-        commit = (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch))
-        o_k = i_k * B_K + tl.arange(0, B_K)
-        p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-        # the first tile is requested at once, before the path's chain of dependent loads (the path, then its
-        # factors) that the update waits on: its bytes are in flight meanwhile
-        b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0)
-        if commit:
-            tl.store(committed_ptr + i_r, epoch)
-            # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
-            # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state
-            for i_p in range(0, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
-                rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
-                                                         node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
-                b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                              mask=m_p[:, None], other=0).to(tl.float32)
-                # the first pass decays S_pre; later passes (paths deeper than B_P) add to what it wrote
-                commit_span(b_first, p_slab, rows, m_p, weight, tl.where(i_p == 0, tl.exp(logp_a), 1.0), b_k,
-                            i_span, i_h, u_ptr, stride_s_v, i_p, H_V, D_V, B_V, V_SPAN, UPDATE)
-                tl.debug_barrier()
-
-
-@triton.jit
-def commit_span(b_first, p_slab, rows, m_p, weight, decay, b_k, i_span, i_h, u_ptr, stride_s_v, i_pass,
-                H_V, D_V: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, UPDATE: tl.constexpr):
-    """One pass over a program's ``V_SPAN`` rows, ``B_V`` at a time: ``decay * S + sum_j w_j u_j k_j^T`` over the path
-    rows given (``b_k`` their keys on the program's columns), written back; the first tile of pass 0 is ``b_first``
-    (loaded early by the caller)."""
-    for i_c in range(0, V_SPAN // B_V):
-        o_c = i_c * B_V + tl.arange(0, B_V)
-        o_v = i_span * V_SPAN + o_c
-        later = (i_c > 0) | (i_pass > 0)
-        b_s = tl.where(later, tl.load(p_slab + o_c[:, None] * stride_s_v, mask=later, other=0), b_first)
-        b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
-        b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision=UPDATE)
-        tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
+            # the first pass decays S_pre; later passes (paths deeper than B_P) add to what it wrote
+            decay = tl.where(i_p == 0, tl.exp(logp_a), 1.0)
+            for i_c in range(0, V_SPAN // B_V):
+                o_c = i_c * B_V + tl.arange(0, B_V)
+                o_v = i_span * V_SPAN + o_c
+                b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+                b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
+                              mask=m_p[:, None], other=0)
+                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
+                tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
+            tl.debug_barrier()
 
 
 COMMIT = FastLauncher(tree_commit_kernel)
-COMMIT_PATH_TABLE = True
-"""`tree_commit_layers` works out the paths once (`path_table`) instead of in every program."""
-COMMIT_UPDATE = "ieee"
-"""How the commit adds the path's updates to a tile: "ieee" (a product over B_P path rows in fp32 FMAs) or "tf32x3"
-(the same product on tensor cores, three tf32 passes). On the H200 neither is faster (9B, 24 layers a launch, B=16:
-23.3 against 23.8 us a layer; one fp32 outer product per node of the path, 22.9, was tried and removed:
-`lab/commit_update.py`), so the commit keeps fp32 FMAs, the closed form's own arithmetic."""
 
 _config_source: Callable | None = None
 
@@ -272,13 +226,12 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
             commit_closed_form(states[layer], state_indices, results.layer(layer, tree), accepted, validate=False)
         return
     _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale,
-            results.committed, config, path_table(tree, accepted) if COMMIT_PATH_TABLE else None)
+            results.committed, config)
 
 
 def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, committed,
-            config: CommitConfig | None, path_rows=None) -> None:
-    """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``);
-    ``path_rows``: the paths' rows by depth (`path_table`), else each program searches its path."""
+            config: CommitConfig | None) -> None:
+    """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``)."""
     layers, _, hv, dv, dk = states.shape
     hk = k.shape[2]
     if accepted.dtype not in INDEX_DTYPES:
@@ -291,26 +244,9 @@ def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, com
     grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
     COMMIT(
         grid, states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
-        u, log_decay, k, k_scale, committed, commit_epoch(), path_rows,
+        u, log_decay, k, k_scale, committed, commit_epoch(),
         states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
         u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=config.b_v, V_SPAN=v_span,
-        B_P=16 if path_rows is None else path_rows.shape[1], UPDATE=COMMIT_UPDATE, PATH_TABLE=path_rows is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        B_P=16, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-
-_identity_maps: dict = {}
-
-
-def path_table(tree: TreeBatch, accepted) -> torch.Tensor | None:
-    """Each request's accepted path, its packed rows by depth (`pending.pending_path_rows` with every request mapped
-    to itself: one small launch), for a commit of many layers; None where the trees are 16 or more deep (the
-    programs then gather their paths 16 nodes at a time)."""
-    if path_width(tree) != 16:
-        return None
-    key = (tree.num_requests, tree.device)
-    identity = _identity_maps.get(key)
-    if identity is None:
-        identity = _identity_maps[key] = torch.arange(tree.num_requests, dtype=torch.int32, device=tree.device)
-    return pending_path_rows(tree, accepted, identity)
