@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import optuna
 
 from bole_tune.database import ShapeKey
-from bole_tune.runners import ReplayRunner
+from bole_tune.runners import UNTUNED_PREFIX, ReplayRunner
 from bole_tune.search_space import SearchSpace
 from bole_tune.tuner import tune_bucket
 
@@ -101,7 +101,7 @@ def replay_against_exhaustive(recording, trials: int = 32, seeds=range(30), spac
         if keys is not None and text not in keys:
             continue
         key = key_from_text(text)
-        ok = {c: m for c, m in runner.measurements[text].items() if m.status == "ok"}
+        ok = {c: m for c, m in runner.measurements[text].items() if m.status == "ok" and not c.startswith(UNTUNED_PREFIX)}
         if not ok:
             raise ValueError(f"{runner.path}: {text}: no working config in the recording")
         best_config = min(ok, key=lambda c: ok[c].p50_us)

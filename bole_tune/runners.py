@@ -24,7 +24,7 @@ from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import CommitConfig, KernelConfig
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
-from bole_tune.kernels import tree_verify
+from bole_tune.kernels import PLANNER, tree_verify
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import torch_dtype
 
@@ -107,15 +107,24 @@ class GPURunner:
         bench.reference()  # the harness itself must not fail inside the guarded region below
         return self._guarded(key, config, self._measure_verify)
 
-    def _measure_verify(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+    def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement:
+        """``config`` (the bucket's default) on the kernel a bucket without a tuned config runs
+        (`LaunchPolicy.untuned_variant`): what a study's "speedup over the default" compares with."""
+        bench = self.bench(key)
+        bench.reference()
+        variant = PLANNER.policy.untuned_variant(key.batch_bucket, key.heads.hv, key.tree_bucket)
+        return self._guarded(key, config, lambda k, c: self._measure_verify(k, c, variant))
+
+    def _measure_verify(self, key: ShapeKey, config: KernelConfig, variant: str | None = None) -> Measurement:
         """A verify config, or with ``key.fold`` the folded verify's (its outputs against the float64 reference
-        on the committed pool, its committed slots against `commit_closed_form`; then the folded round timed)."""
+        on the committed pool, its committed slots against `commit_closed_form`; then the folded round timed);
+        ``variant``: on that kernel, not the planner's for the bucket."""
         from bole_tune.commit_bench import COMMIT_TOLERANCE
 
         bench = self.bench(key)
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
             warnings.simplefilter("ignore", UserWarning)
-            launch = bench.launch(config, fold=key.fold)
+            launch = bench.launch(config, variant=variant, fold=key.fold)
         if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
             return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
         if key.fold:
@@ -226,6 +235,14 @@ class ReplayRunner:
                                       f"replay with the search space it was recorded on")
         return recorded
 
+    def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement | None:
+        """The recorded `GPURunner.measure_untuned` (``"untuned " + config`` in the bucket), or None."""
+        return self.measurements.get(key.text, {}).get(UNTUNED_PREFIX + config_text(config))
+
+
+UNTUNED_PREFIX = "untuned "
+"""How a recording names the default config's measurement on the untuned kernel (`GPURunner.measure_untuned`)."""
+
 
 class RecordingRunner:
     """Wraps a runner and writes every measurement to ``path`` (atomically, after each one)."""
@@ -244,6 +261,15 @@ class RecordingRunner:
 
     def measure(self, key: ShapeKey | CommitKey, config: KernelConfig | CommitConfig) -> Measurement:
         m = self.inner.measure(key, config)
-        self.data["measurements"].setdefault(key.text, {})[config.text] = m.as_dict()
-        write_text_atomic(self.path, json.dumps(self.data, indent=1) + "\n")
+        self._record(key, config.text, m)
         return m
+
+    def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement | None:
+        m = self.inner.measure_untuned(key, config) if hasattr(self.inner, "measure_untuned") else None
+        if m is not None:
+            self._record(key, UNTUNED_PREFIX + config.text, m)
+        return m
+
+    def _record(self, key, text: str, m: Measurement) -> None:
+        self.data["measurements"].setdefault(key.text, {})[text] = m.as_dict()
+        write_text_atomic(self.path, json.dumps(self.data, indent=1) + "\n")

@@ -262,7 +262,28 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
         run_until(n_trials)
     if lost:
         raise DeviceLost(f"{lost[0]} (recorded in study {name}; run the same command again to resume)")
+    record_untuned_default(runner, study, key, default)
     return _result(study, key, name, default)
+
+
+UNTUNED_ATTR = "untuned_default"
+"""The study attribute holding the default config's measurement on the kernel an untuned bucket runs, where that
+is not the kernel the study searched (`record_untuned_default`)."""
+
+
+def record_untuned_default(runner, study, key: ShapeKey | CommitKey, default) -> None:
+    """Where a bucket's kernel differs from the one it runs untuned ("stream" buckets run the resident kernel until
+    tuned), measure the default there once and keep it in the study: the default a user would really run, so a
+    study's speedup over it is what tuning gains (the default's own trial, on the searched kernel, stays a trial)."""
+    if isinstance(key, CommitKey) or UNTUNED_ATTR in study.user_attrs or not hasattr(runner, "measure_untuned"):
+        return
+    policy = PLANNER.policy
+    if policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) == \
+            policy.untuned_variant(key.batch_bucket, key.heads.hv, key.tree_bucket):
+        return
+    m = runner.measure_untuned(key, default)
+    if m is not None:
+        study.set_user_attr(UNTUNED_ATTR, m.as_dict())
 
 
 def tune_bucket_buffered(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, n_trials: int, slug: str,
@@ -378,6 +399,8 @@ def _result(study, key: ShapeKey | CommitKey, name: str, default) -> TuneResult:
             default_m = m
         if m.status == "ok" and (best_m is None or m.p50_us < best_m.p50_us):
             best, best_m = config, m
+    if UNTUNED_ATTR in study.user_attrs:  # the default as an untuned bucket runs it (`record_untuned_default`)
+        default_m = Measurement.from_dict(study.user_attrs[UNTUNED_ATTR])
     return TuneResult(key, name, best, best_m, default, default_m, counts, sorted(workers))
 
 

@@ -204,3 +204,65 @@ def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeyp
     monkeypatch.setattr(CaseBench, "launch", lambda self, config=None, variant=None, tuned_on=None, fold=False: failed)
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "wrong" and m.rel_error == 1.3e-2 and "self-check" in m.message, m
+
+
+def test_a_stream_buckets_speedup_is_over_the_default_as_an_untuned_bucket_runs_it(tmp_path):
+    """A "stream" bucket runs the resident kernel until it is tuned: its study searches the stream kernel, but the
+    default its speedup is over is the default config measured on the resident kernel (recorded once, kept in the
+    study); a bucket whose kernel is the same tuned or not measures no such extra point."""
+    from bole_tune.kernels import PLANNER
+    from bole_tune.runners import UNTUNED_PREFIX
+    from bole_tune.tuner import UNTUNED_ATTR, load_result
+
+    stream, resident = shape_key(tree=8), shape_key()
+    policy = PLANNER.policy
+    assert policy.variant(16, 32, 8) == "stream" and policy.untuned_variant(16, 32, 8) == "resident"
+    assert policy.untuned_variant(16, 32, 64) == policy.variant(16, 32, 64) == "resident"
+    default = KernelConfig(64, 32, 4, 2)
+    path = write_recording(tmp_path / "rec.json", key=stream)
+    data = json.loads(path.read_text())
+    on_stream = data["measurements"][stream.text][default.text]["p50_us"]
+    untuned = Measurement("ok", 17.5, 18.0, 18.5, 1e-3, method="replay")
+    data["measurements"][stream.text][UNTUNED_PREFIX + default.text] = untuned.as_dict()
+    data["measurements"][resident.text] = {c: m for c, m in data["measurements"][stream.text].items()
+                                           if not c.startswith(UNTUNED_PREFIX)}
+    path.write_text(json.dumps(data))
+    asked = []
+
+    class Logged(ReplayRunner):
+        def measure_untuned(self, key, config):
+            asked.append((key.text, config))
+            return super().measure_untuned(key, config)
+
+    runner, store = Logged(path), storage(tmp_path)
+    result = tune_bucket(runner, stream, SPACE, store, 12, "replay-gpu")
+    assert asked == [(stream.text, default)]
+    assert result.default_measurement.p50_us == 18.0 != on_stream
+    assert result.speedup == pytest.approx(18.0 / result.best_measurement.p50_us)
+    assert load_result(store, "replay-gpu", stream).default_measurement.p50_us == 18.0  # kept in the study
+    tune_bucket(runner, stream, SPACE, store, 14, "replay-gpu")  # resumed: measured once only
+    assert len(asked) == 1
+    study = optuna.load_study(study_name=result.study_name, storage=store)
+    assert study.user_attrs[UNTUNED_ATTR]["p50_us"] == 18.0
+    plain = tune_bucket(runner, resident, SPACE, store, 6, "replay-gpu")
+    assert len(asked) == 1 and plain.default_measurement.p50_us == on_stream
+
+
+def test_the_gpu_runner_measures_the_untuned_default_on_the_untuned_kernel(monkeypatch):
+    from bole_tune.bench import CaseBench
+    from bole_tune.kernels import Launch
+    from bole_tune.runners import GPURunner
+
+    key = shape_key(tree=8)  # B=16 x 32 heads, 8 nodes: "stream" when tuned, the resident kernel untuned
+    runner = GPURunner("cpu", repeats=1)
+    asked = []
+
+    def launch(self, config=None, variant=None, tuned_on=None, fold=False):
+        asked.append(variant)
+        return Launch("fused", config, 16, fallback_error=1.0, fallback="stopped here by the test")
+
+    monkeypatch.setattr(CaseBench, "launch", launch)
+    monkeypatch.setattr(CaseBench, "reference", lambda self: None)
+    assert runner.measure_untuned(key, KernelConfig(64, 32, 4, 2)).status == "wrong"
+    assert runner.measure(key, KernelConfig(64, 32, 4, 2)).status == "wrong"
+    assert asked == ["resident", None]

@@ -102,6 +102,12 @@ class LaunchPolicy:
             return "resident"
         return "fused"
 
+    def untuned_variant(self, num_requests: int, hv: int, max_tree_size: int) -> str:
+        """The kernel a bucket without a tuned config runs: `variant`, but "resident" for "stream" (the default
+        config's narrow value tiles would repeat the factors over several programs per head)."""
+        variant = self.variant(num_requests, hv, max_tree_size)
+        return "resident" if variant == "stream" else variant
+
     def value_split(self, num_requests: int, hv: int, dv: int, b_v: int) -> int:
         """Programs sharing one head's value rows in the resident kernel: 1 at large batches, up to
         ``dv / b_v`` at small ones; each part recomputes the head's factors (``T^3``) and streams
@@ -229,10 +235,9 @@ class Planner:
         if v_split is not None and v_split * config.b_v > heads.dv:
             raise ValueError(f"v_split: expected a power of two with v_split * b_v <= dv = {heads.dv} "
                              f"(b_v = {config.b_v}), got {v_split!r}")
-        if variant is None:
-            variant = self.policy.variant(num_requests, heads.hv, max_tree_size)
-            if variant == "stream" and untuned:  # the state-first order only with tiles tuned (or given) for it
-                variant = "resident"
+        if variant is None:  # the state-first order only with tiles tuned (or given) for it
+            variant = (self.policy.untuned_variant if untuned else self.policy.variant)(
+                num_requests, heads.hv, max_tree_size)
         if variant == "stream" and v_split is not None and v_split * config.b_v != heads.dv:
             raise ValueError(f"v_split: 'stream' runs one value tile per program, dv / b_v = {heads.dv // config.b_v} "
                              f"programs per head; got {v_split!r}")
