@@ -139,6 +139,9 @@ def clear_cache() -> None:
     _warned.clear()
     _slugs.clear()
     database.clear_cache()
+    from bole_tune.kernels.verify.planner import forget_plans
+
+    forget_plans()  # the planners' remembered launches were made from the decisions just forgotten
 
 
 def _device_slug(device: torch.device) -> str:

@@ -41,17 +41,27 @@ class TreeBatch:
     _host_depths: tuple[tuple[int, ...], ...] = field(repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        # the kernels read these as int32 rows (and a launch is keyed on it): anything else is refused here
+        for name in ("offsets", "parents", "node_depth", "dfs_enter", "dfs_exit"):
+            x = getattr(self, name)
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or not x.is_contiguous():
+                raise TypeError(f"TreeBatch.{name}: expected a contiguous int32 tensor (build trees with "
+                                "TreeBatch.from_parents)")
+        # sizes asked on every call of the verify, worked out once
+        self._cache["facts"] = (sum(self.sizes), max(self.sizes) if self.sizes else 0)
+
     @property
     def num_requests(self) -> int:
         return len(self.sizes)
 
     @property
     def num_nodes(self) -> int:
-        return sum(self.sizes)
+        return self._cache["facts"][0]
 
     @property
     def max_tree_size(self) -> int:
-        return max(self.sizes)
+        return self._cache["facts"][1]
 
     @property
     def device(self) -> torch.device:

@@ -33,7 +33,10 @@ range of g: every value <= 0; exact to the verifier's tolerance against the floa
 def validation_enabled(validate: bool | None) -> bool:
     """Resolve the ``validate`` argument against the environment and graph capture."""
     if validate is None:
-        raw = os.environ.get("BOLE_TUNE_VALIDATE", "0").strip().lower()
+        raw = os.environ.get("BOLE_TUNE_VALIDATE", "0")
+        if raw == "0":  # the default, decided without parsing (a call's host time counts)
+            return False
+        raw = raw.strip().lower()
         if raw in ("1", "true", "yes", "on"):
             validate = True
         elif raw in ("0", "false", "no", "off", ""):

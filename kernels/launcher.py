@@ -32,6 +32,7 @@ class FastLauncher:
     def __init__(self, fn):
         self.fn = fn
         self.compiled: dict[tuple, tuple] = {}
+        self.by_caller_key: dict[tuple, tuple] = {}
         params = getattr(fn, "params", None)
         self._kinds = None
         if params is not None:  # a JITFunction (the interpreter's functions are launched through Triton's path)
@@ -60,11 +61,39 @@ class FastLauncher:
                 spec.append(arg)
         return (len(args), *spec, *meta.items())
 
+    def launch_keyed(self, caller_key, grid: tuple, args: tuple, meta) -> None:
+        """``fn[grid](*args, **meta())`` where the caller names the specialisation: ``caller_key`` must determine
+        everything `key` would take from ``args`` and ``meta`` (the tensors' dtypes and 16-byte alignment, the
+        specialised integers' values, the constants), or be None (then the generic path runs). ``meta`` is a
+        function returning the constants and options, called only when no binary is kept under the key, so a
+        launch seen before builds neither the key of every argument nor the keyword dictionary."""
+        if caller_key is not None and self._kinds is not None:
+            from triton import knobs
+
+            device = self.device()
+            kept = self.by_caller_key.get((device, caller_key))
+            if kept is not None and not (_hooked(knobs.runtime.launch_enter_hook)
+                                         or _hooked(knobs.runtime.launch_exit_hook)):
+                kernel, constants = kept
+                grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
+                kernel.run(grid_x, grid_y, grid_z, self.stream(device), kernel.function, kernel.packed_metadata,
+                           None, None, None, *args, *constants)
+                return
+            kept = self(grid, *args, **meta())
+            if kept is not None:
+                if len(self.by_caller_key) >= 4096:  # a bound on what a process with ever-new shapes keeps
+                    self.by_caller_key.clear()
+                self.by_caller_key[(device, caller_key)] = kept
+            return
+        self(grid, *args, **meta())
+
     def __call__(self, grid: tuple, *args, **meta):
-        """``fn[grid](*args, **meta)``, through the kept binary when this specialisation was launched before."""
+        """``fn[grid](*args, **meta)``, through the kept binary when this specialisation was launched before.
+        Returns the kept ``(binary, constants)`` it launched or kept, or None where Triton's own path ran without
+        keeping one."""
         if self._kinds is None:  # the interpreter
             self.fn[grid](*args, **meta)
-            return
+            return None
         from triton import knobs
 
         device = self.device()
@@ -73,16 +102,18 @@ class FastLauncher:
             key = (device, *key)
         kernel = self.compiled.get(key) if key is not None else None
         if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            kernel = self.fn[grid](*args, **meta)
-            if key is not None and hasattr(kernel, "packed_metadata") and all(
+            compiled = self.fn[grid](*args, **meta)
+            if key is not None and hasattr(compiled, "packed_metadata") and all(
                     kind == "constant" for kind in self._kinds[len(args):]):
-                self.compiled[key] = (kernel, (None,) * (len(self._kinds) - len(args)))
-            return
-        kernel, constants = kernel  # the launcher ignores the constants' values: None in their places
+                self.compiled[key] = kernel = (compiled, (None,) * (len(self._kinds) - len(args)))
+                return kernel
+            return None
+        binary, constants = kernel  # the launcher ignores the constants' values: None in their places
         stream = self.stream(device)
         grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
-        kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None,
+        binary.run(grid_x, grid_y, grid_z, stream, binary.function, binary.packed_metadata, None, None, None,
                    *args, *constants)
+        return kernel
 
     @staticmethod
     def device():
@@ -98,3 +129,4 @@ class FastLauncher:
 
     def clear(self) -> None:
         self.compiled.clear()
+        self.by_caller_key.clear()

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from bole_tune.kernels import PLANNER, PendingCommit, PendingPaths, tree_commit, tree_verify
-from bole_tune.kernels.verify.checks import check_verify_inputs
+from bole_tune.kernels import PLANNER, LayerResults, PendingCommit, PendingPaths, tree_commit, tree_commit_layers, tree_verify
+from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
 from bole_tune.kernels.verify.result import result_buffers
 from bole_tune.kernels.verify.run import run_launch
 from bole_tune.workloads import make_inputs, make_tree
@@ -36,8 +36,9 @@ def per_call(fn, calls=2000) -> float:
 
 
 def launch_parts(launch, a, shape, res) -> dict:
-    """The Triton launch's parts: its binder (argument specialisation), its cache key, the compiled kernel's C
-    launcher alone (all arguments bound beforehand), and the stream lookup."""
+    """The launch's parts: the caller-keyed launch (the kept binary under the verify's own key), the generic
+    argument-keyed one, Triton's own ``fn[grid](...)`` and its binder, and the compiled kernel's C launcher alone
+    (all arguments bound beforehand)."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import compute_cache_key
 
@@ -49,18 +50,19 @@ def launch_parts(launch, a, shape, res) -> dict:
         def __init__(self, fast):
             self.fast = fast
 
-        def __call__(self, grid, *args, **kwargs):
-            captured.update(fn=self.fast.fn, grid=grid, args=args, kwargs=kwargs)
-            return self.fast(grid, *args, **kwargs)
+        def launch_keyed(self, key, grid, args, meta):
+            captured.update(fn=self.fast.fn, key=key, grid=grid, args=args, meta=meta)
+            return self.fast.launch_keyed(key, grid, args, meta)
 
-    name = "RESIDENT" if launch.variant == "resident" else "FUSED"
+    name = "RESIDENT" if launch.variant != "fused" else "FUSED"
     original = getattr(run_module, name)
     setattr(run_module, name, Capture(original))
     try:
         run_launch(launch, *a, shape, res, True)
     finally:
         setattr(run_module, name, original)
-    fn, grid, args, kwargs = captured["fn"], captured["grid"], captured["args"], captured["kwargs"]
+    fn, key, grid, args, meta = (captured[x] for x in ("fn", "key", "grid", "args", "meta"))
+    kwargs = meta()
     device = driver.active.get_current_device()
     kernel_cache, key_cache, _, _, binder = fn.device_caches[device]
     kw = dict(kwargs, debug=False, instrumentation_mode="")
@@ -74,14 +76,14 @@ def launch_parts(launch, a, shape, res) -> dict:
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
     return {
-        "  FastLauncher (kept binary)": lambda: original(grid, *args, **kwargs),
-        "  FastLauncher key alone": lambda: original.key(args, kwargs),
+        "  launch_keyed (caller's key)": lambda: original.launch_keyed(key, grid, args, meta),
+        "  FastLauncher (argument key)": lambda: original(grid, *args, **kwargs),
+        "  argument key alone": lambda: original.key(args, kwargs),
         "  JIT launch (fn[grid](...))": lambda: fn[grid](*args, **kwargs),
         "  binder alone": lambda: binder(*args, **kw),
-        "  binder + cache key": lambda: compute_cache_key(key_cache, binder(*args, **kw)[1], options),
         "  compiled.run alone (C launcher)": c_launch,
         "  current device + stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
-        f"  ({len(values)} bound arguments)": lambda: None,
+        f"  ({len(values)} bound arguments, caller key {'set' if key is not None else 'None'})": lambda: None,
     }
 
 
@@ -101,6 +103,10 @@ def main() -> None:
     paths = PendingPaths(tree, accepted, torch.arange(args.batch, dtype=torch.int32, device=dev))
     pending = PendingCommit(paths, res)
     shape = check_verify_inputs(*a, None, None)
+    states = x.state[None].expand(24, *x.state.shape).contiguous()
+    layers = LayerResults.empty(24, tree, shape.heads, torch.bfloat16, dev)
+    for layer in range(24):
+        tree_verify(*a, out=layers.layer(layer))
     launch = PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch, max_tree_size=tree.max_tree_size,
                           depth=tree.depth, device=dev)
     rows = {
@@ -109,11 +115,13 @@ def main() -> None:
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
         "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),
+        "tree_commit_layers (24 layers)": lambda: tree_commit_layers(states, x.state_indices, layers, tree, accepted),
         "  check_verify_inputs": lambda: check_verify_inputs(*a, None, None),
+        "  check_pending": lambda: check_pending(pending, shape, x.q.device, res2, None),
         "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
                                                max_tree_size=tree.max_tree_size, depth=tree.depth, device=dev),
         "  result_buffers (fresh)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
-        "  run_launch (FastLauncher)": lambda: run_launch(launch, *a, shape, res2, True),
+        "  run_launch": lambda: run_launch(launch, *a, shape, res2, True),
         "  torch.empty x1": lambda: torch.empty(64, device=dev),
     }
     rows.update(launch_parts(launch, a, shape, res2))

@@ -103,6 +103,35 @@ def test_launch_hooks_and_constants_among_the_arguments_keep_triton_s_path(launc
     assert paths(launcher) == ["triton", "triton", "triton", "triton"]
 
 
+def test_a_caller_keyed_launch_skips_the_argument_key_and_the_keywords_once_kept(launcher, monkeypatch):
+    """`launch_keyed`: the first launch under a key goes through Triton (the keywords built), later ones straight
+    to the kept binary without asking for them; no key (a caller that cannot vouch for the specialisation, such as
+    a misaligned tensor) takes the argument-keyed path every time."""
+    x = torch.zeros(64)
+    asked = []
+
+    def meta():
+        asked.append(1)
+        return {"N": 8, "num_warps": 4}
+
+    launcher.launch_keyed(("k", 32), (4,), (x, 32, 5), meta)
+    launcher.launch_keyed(("k", 32), (4, 2), (x, 32, 6), meta)
+    assert paths(launcher) == ["triton", "fast"] and len(asked) == 1
+    _, args = launcher.fn.log[1]
+    assert args == (4, 2, 1, 7, "function", "metadata", None, None, None, x, 32, 6, None)
+    launcher.launch_keyed(("k", 24), (4,), (x, 24, 5), meta)  # another key: Triton's binder, then kept too
+    assert paths(launcher) == ["triton", "fast", "triton"] and len(asked) == 2
+    launcher.launch_keyed(None, (4,), (x, 32, 5), meta)  # unkeyed: the argument key finds the first binary
+    assert paths(launcher)[-1] == "fast" and len(asked) == 3
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launcher.launch_keyed(("k", 32), (4,), (x, 32, 5), meta)  # a profiler's hook: Triton's path
+    assert paths(launcher)[-1] == "triton"
+    launcher.clear()
+    assert not launcher.by_caller_key and not launcher.compiled
+
+
 def test_the_interpreter_runs_triton_s_path():
     class Interpreted:  # no params: what TRITON_INTERPRET=1 gives
         def __init__(self):
@@ -117,7 +146,8 @@ def test_the_interpreter_runs_triton_s_path():
     fast = FastLauncher(fn)
     fast((1,), 1, 2)
     fast((1,), 1, 2)
-    assert fn.calls == 2 and not fast.compiled
+    fast.launch_keyed(("key",), (1,), (1, 2), dict)
+    assert fn.calls == 3 and not fast.compiled and not fast.by_caller_key
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: Triton's compiled launcher")
@@ -151,6 +181,15 @@ def test_kept_binaries_verify_and_commit_exactly_on_the_gpu():
     res = tree_verify(q, *x.args(tree)[1:], variant="resident")
     assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], "misaligned q")
     assert len(run_module.RESIDENT.compiled) == kept + 1
+    keyed = len(run_module.RESIDENT.by_caller_key)
+    assert keyed >= 1, "the verify's launches are keyed by the caller"
+    wide = torch.zeros(x.q.shape[0], x.q.shape[1], 2 * x.q.shape[2], dtype=x.q.dtype, device="cuda")
+    q = wide[:, :, :x.q.shape[2]]  # aligned, but every row strided as in a fused projection
+    q.copy_(x.q)
+    for call in range(2):
+        res = tree_verify(q, *x.args(tree)[1:], variant="resident")
+        assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], f"strided q, call {call}")
+    assert len(run_module.RESIDENT.by_caller_key) == keyed + 1, "other strides: another key"
     for call in range(2):
         pool = x.state.clone()
         tree_commit(pool, x.state_indices, tree_verify(*x.args(tree)), accepted)

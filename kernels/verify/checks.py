@@ -16,8 +16,70 @@ from .pending import path_width
 from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
 
 
+_F32 = torch.float32
+_SHAPES: dict[tuple, VerifyShape] = {}
+
+
 def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate) -> VerifyShape:
-    """Check the arguments of `tree_verify` / `serial_verify`; raise naming the bad one."""
+    """Check the arguments of `tree_verify` / `serial_verify`; raise naming the bad one.
+
+    Every call first runs `_verify_shape`, the same conditions as plain comparisons (a few us of host time, the
+    common case); only where one fails do the checks below run, to name the argument."""
+    shape = _verify_shape(q, k, v, g, beta, state, state_indices, tree, scale)
+    if shape is None:
+        shape = _explained_verify_shape(q, k, v, g, beta, state, state_indices, tree, scale)
+    if validation_enabled(validate):
+        raise_first([
+            *((~torch.isfinite(x).all(), f"{name}: contains NaN or inf") for name, x in (("q", q), ("k", k), ("v", v))),
+            (torch.isnan(g).any() | (g == float("inf")).any(), "g: contains NaN or +inf (a log-decay is <= 0)"),
+            ((g > 0).any(), "g: has positive entries (g is a log-decay and must be <= 0)"),
+            (~torch.isfinite(beta).all(), "beta: contains NaN or inf"),
+            (((beta < 0) | (beta > 1)).any(), "beta: has entries outside [0, 1]"),
+            *slot_checks(state_indices, state.shape[0]),
+        ])
+    return shape
+
+
+def _verify_shape(q, k, v, g, beta, state, state_indices, tree, scale) -> VerifyShape | None:
+    """The call's `VerifyShape` where every host-side condition of `_explained_verify_shape` holds, else None."""
+    tensor = torch.Tensor
+    if not (type(tree) is TreeBatch and isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
+            and isinstance(g, tensor) and isinstance(beta, tensor) and isinstance(state, tensor)
+            and isinstance(state_indices, tensor)):
+        return None
+    qs, vs, ss = q.shape, v.shape, state.shape
+    if len(qs) != 3 or len(vs) != 3 or len(ss) != 4:
+        return None
+    n, hk, dk = qs
+    nv, hv, dv = vs
+    num_requests = len(tree.sizes)
+    dtype, device = q.dtype, q.device
+    if not (n == tree.num_nodes and nv == n and k.shape == qs and hk > 0 and hv % hk == 0
+            and g.shape == (n, hv) and beta.shape == (n, hv) and ss[1] == hv and ss[2] == dv and ss[3] == dk
+            and state_indices.shape == (num_requests,) and dk in SUPPORTED_HEAD_DIMS and dv in SUPPORTED_HEAD_DIMS
+            and dtype in INPUT_DTYPES and k.dtype == dtype and v.dtype == dtype
+            and (g.dtype == _F32 or g.dtype == dtype) and (beta.dtype == _F32 or beta.dtype == dtype)
+            and state.dtype == _F32 and state_indices.dtype in INDEX_DTYPES and state.stride(3) == 1
+            and state_indices.stride(0) == 1
+            and k.device == device and v.device == device and g.device == device and beta.device == device
+            and state.device == device and state_indices.device == device and tree.offsets.device == device):
+        return None
+    if scale is None:
+        scale = dk ** -0.5
+    elif type(scale) is not float or not 0 < scale < math.inf:
+        return None
+    key = (n, hk, hv, dk, dv, num_requests, ss[0], scale)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        if len(_SHAPES) >= 4096:  # a process whose shapes keep changing keeps a bounded table
+            _SHAPES.clear()
+        shape = _SHAPES[key] = VerifyShape(heads=HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), num_nodes=n,
+                                           num_requests=num_requests, num_slots=ss[0], scale=scale)
+    return shape
+
+
+def _explained_verify_shape(q, k, v, g, beta, state, state_indices, tree, scale) -> VerifyShape:
+    """`check_verify_inputs`' host-side checks one by one, raising with the argument's name."""
     if not isinstance(tree, TreeBatch):
         raise TypeError(f"tree: expected a TreeBatch (TreeBatch.from_parents), got {type(tree).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state),
@@ -57,6 +119,8 @@ def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, val
         raise TypeError(f"state_indices: dtype {state_indices.dtype}; expected int32 or int64")
     if state.stride(-1) != 1:
         raise ValueError("state: the last (dk) dimension must be contiguous (stride 1); the pool is updated in place")
+    if state_indices.shape[0] > 1 and state_indices.stride(0) != 1:
+        raise ValueError(f"state_indices: must be contiguous (stride 1), got stride {state_indices.stride(0)}")
     device = q.device
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state), ("state_indices", state_indices)):
         if x.device != device:
@@ -68,21 +132,43 @@ def check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, val
         scale = dk ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
-    if validation_enabled(validate):
-        raise_first([
-            *((~torch.isfinite(x).all(), f"{name}: contains NaN or inf") for name, x in (("q", q), ("k", k), ("v", v))),
-            (torch.isnan(g).any() | (g == float("inf")).any(), "g: contains NaN or +inf (a log-decay is <= 0)"),
-            ((g > 0).any(), "g: has positive entries (g is a log-decay and must be <= 0)"),
-            (~torch.isfinite(beta).all(), "beta: contains NaN or inf"),
-            (((beta < 0) | (beta > 1)).any(), "beta: has entries outside [0, 1]"),
-            *slot_checks(state_indices, state.shape[0]),
-        ])
     return VerifyShape(heads=HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), num_nodes=n, num_requests=tree.num_requests,
                        num_slots=state.shape[0], scale=float(scale))
 
 
 def check_commit_inputs(state, state_indices, result, accepted, validate) -> None:
-    """Check the arguments of `tree_commit`; raise naming the bad one."""
+    """Check the arguments of `tree_commit`; raise naming the bad one (the conditions as plain comparisons
+    first, `_explain_commit_inputs` where one fails)."""
+    if not _commit_inputs_hold(state, state_indices, result, accepted):
+        _explain_commit_inputs(state, state_indices, result, accepted)
+    if validation_enabled(validate):
+        tree = result.tree
+        sizes = (tree.offsets[1:] - tree.offsets[:-1]).to(accepted.dtype)
+        out_of_range = (accepted < -1) | (accepted >= sizes)
+        raise_first([
+            *slot_checks(state_indices, state.shape[0]),
+            (out_of_range.any(), lambda: _accepted_message(accepted, out_of_range, tree)),
+        ])
+
+
+def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
+    tensor = torch.Tensor
+    if not (type(result) is TreeVerifyResult and isinstance(state, tensor) and isinstance(state_indices, tensor)
+            and isinstance(accepted, tensor) and isinstance(result.tree, TreeBatch)):
+        return False
+    us, ks, ss = result.u.shape, result.k.shape, state.shape
+    if len(us) != 3 or len(ks) != 3 or len(ss) != 4:
+        return False
+    b, device = len(result.tree.sizes), result.u.device
+    return (ss[1] == us[1] and ss[2] == us[2] and ss[3] == ks[2] and state.dtype == torch.float32
+            and state.stride(3) == 1 and state_indices.shape == (b,) and accepted.shape == (b,)
+            and result.committed.shape == (b,) and state_indices.dtype in INDEX_DTYPES
+            and accepted.dtype in INDEX_DTYPES and state_indices.stride(0) == 1 and accepted.stride(0) == 1
+            and state_indices.device == device and accepted.device == device and state.device == device)
+
+
+def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
+    """`check_commit_inputs`' host-side checks one by one, raising with the argument's name."""
     if not isinstance(result, TreeVerifyResult):
         raise TypeError(f"res: expected the TreeVerifyResult of tree_verify/serial_verify, got {type(result).__name__}")
     for name, x in (("state", state), ("state_indices", state_indices), ("accepted", accepted)):
@@ -106,13 +192,9 @@ def check_commit_inputs(state, state_indices, result, accepted, validate) -> Non
             raise ValueError(f"{name}: on device {x.device} but the verification result is on {result.u.device}")
     if state.device != result.u.device:
         raise ValueError(f"state: on device {state.device} but the verification result is on {result.u.device}")
-    if validation_enabled(validate):
-        sizes = (tree.offsets[1:] - tree.offsets[:-1]).to(accepted.dtype)
-        out_of_range = (accepted < -1) | (accepted >= sizes)
-        raise_first([
-            *slot_checks(state_indices, state.shape[0]),
-            (out_of_range.any(), lambda: _accepted_message(accepted, out_of_range, tree)),
-        ])
+    for name, x in (("state_indices", state_indices), ("accepted", accepted)):
+        if x.stride(0) != 1 and x.shape[0] > 1:
+            raise ValueError(f"{name}: must be contiguous (stride 1), got stride {x.stride(0)}")
 
 
 def _accepted_message(accepted, out_of_range, tree) -> str:
@@ -127,7 +209,56 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None, validate) -> None:
-    """Check `tree_verify`'s ``pending`` (the previous round's commit to fold in); raise naming the field."""
+    """Check `tree_verify`'s ``pending`` (the previous round's commit to fold in); raise naming the field (the
+    conditions as plain comparisons first, `_explain_pending` where one fails)."""
+    if not _pending_holds(pending, shape, device, out):
+        _explain_pending(pending, shape, device, out)
+    if validation_enabled(validate):
+        paths = pending.paths
+        sizes = (paths.tree.offsets[1:] - paths.tree.offsets[:-1]).to(paths.accepted.dtype)
+        raise_first([(((paths.accepted < -1) | (paths.accepted >= sizes)).any(),
+                      "pending.paths.accepted: has an entry out of range (expected -1 or a local node index)"),
+                     (((paths.request_map < -1) | (paths.request_map >= paths.tree.num_requests)).any(),
+                      "pending.paths.request_map: has an entry out of range")])
+
+
+
+
+def _pending_holds(pending, shape: VerifyShape, device, out) -> bool:
+    if type(pending) is not PendingCommit:
+        return False
+    paths, prev = pending.paths, pending.result
+    if not (type(paths) is PendingPaths and type(prev) is TreeVerifyResult and type(paths.tree) is TreeBatch):
+        return False
+    request_map, accepted, rows, tree = paths.request_map, paths.accepted, paths.path_rows, paths.tree
+    tensor, h, f32 = torch.Tensor, shape.heads, torch.float32
+    if not (isinstance(request_map, tensor) and isinstance(accepted, tensor) and isinstance(rows, tensor)
+            and isinstance(prev.u, tensor) and isinstance(prev.k, tensor) and isinstance(prev.log_decay, tensor)
+            and isinstance(prev.k_scale, tensor) and isinstance(prev.committed, tensor)):
+        return False
+    n_prev, width = tree.num_nodes, path_width(tree)
+    if not (request_map.shape == (shape.num_requests,) and accepted.shape == (len(tree.sizes),)
+            and rows.shape == (shape.num_requests, width) and rows.dtype == torch.int32 and rows.is_contiguous()
+            and prev.u.shape == (n_prev, h.hv, h.dv) and prev.k.shape == (n_prev, h.hk, h.dk)
+            and request_map.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES and request_map.stride(0) == 1
+            and prev.u.dtype == f32 and prev.log_decay.dtype == f32 and prev.k_scale.dtype == f32
+            and prev.committed.dtype == torch.int32
+            and request_map.device == device and accepted.device == device and rows.device == device
+            and prev.u.device == device and tree.offsets.device == device):
+        return False
+    if out is None:
+        return True
+    if type(out) is not TreeVerifyResult:
+        return False
+    for a, b in ((prev.u, out.u), (prev.log_decay, out.log_decay), (prev.k, out.k), (prev.k_scale, out.k_scale)):
+        a0, b0 = a.data_ptr(), b.data_ptr()
+        if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes:
+            return False
+    return True
+
+
+def _explain_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None) -> None:
+    """`check_pending`'s host-side checks one by one, raising with the field's name."""
     if not isinstance(pending, PendingCommit) or not isinstance(pending.paths, PendingPaths):
         raise TypeError(f"pending: expected a PendingCommit(PendingPaths, TreeVerifyResult), got {type(pending).__name__}")
     paths, prev = pending.paths, pending.result
@@ -151,17 +282,18 @@ def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | N
     for name, x in (("request_map", paths.request_map), ("accepted", paths.accepted)):
         if x.dtype not in INDEX_DTYPES:
             raise TypeError(f"pending.paths.{name}: dtype {x.dtype}; expected int32 or int64")
+    if paths.request_map.shape[0] > 1 and paths.request_map.stride(0) != 1:
+        raise ValueError("pending.paths.request_map: must be contiguous (stride 1)")
+    for name, dtype in (("u", torch.float32), ("log_decay", torch.float32), ("k_scale", torch.float32),
+                        ("committed", torch.int32)):
+        if getattr(prev, name).dtype != dtype:
+            raise TypeError(f"pending.result.{name}: dtype {getattr(prev, name).dtype}; expected {dtype} "
+                            "(the previous round's TreeVerifyResult)")
     for name, x in (("paths.request_map", paths.request_map), ("paths.accepted", paths.accepted),
                     ("paths.path_rows", paths.path_rows),
                     ("result.u", prev.u), ("paths.tree", paths.tree.offsets)):
         if x.device != device:
             raise ValueError(f"pending.{name}: on device {x.device} but the inputs are on {device}")
-    if out is not None and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):
+    if isinstance(out, TreeVerifyResult) and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):
         raise ValueError("out: shares memory with pending.result; the verification would overwrite the factors it "
                          "commits (alternate two result buffers between rounds)")
-    if validation_enabled(validate):
-        sizes = (paths.tree.offsets[1:] - paths.tree.offsets[:-1]).to(paths.accepted.dtype)
-        raise_first([(((paths.accepted < -1) | (paths.accepted >= sizes)).any(),
-                      "pending.paths.accepted: has an entry out of range (expected -1 or a local node index)"),
-                     (((paths.request_map < -1) | (paths.request_map >= paths.tree.num_requests)).any(),
-                      "pending.paths.request_map: has an entry out of range")])

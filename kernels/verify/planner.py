@@ -165,6 +165,13 @@ def _power_of_two(value) -> bool:
 
 SelfCheck = Callable[..., tuple[float, float]]
 
+_generation = [0]
+
+
+def forget_plans() -> None:
+    """Make every planner plan again (what the database layer calls when it forgets its cached decisions)."""
+    _generation[0] += 1
+
 
 class Planner:
     """Plans launches under one `LaunchPolicy`, with one config source and one self-check cache."""
@@ -176,6 +183,8 @@ class Planner:
         self.self_check = self_check
         self.checks: dict[tuple, tuple[float, float]] = {}
         self._fold_source, self._fold_takes = None, False
+        self._plans: dict[tuple, Launch] = {}
+        self._plans_made_with: tuple = ()
 
     @property
     def config_source(self) -> Callable:
@@ -197,8 +206,40 @@ class Planner:
 
     def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
-             tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True, gate_dtype: torch.dtype = torch.float32,
-             check: bool = True, fold: bool = False) -> Launch:
+             tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
+             gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False) -> Launch:
+        """`_plan`, remembered per arguments: a plan is a pure function of them, the policy, the config source's
+        answer (cached there per bucket) and the self-check's (cached per specialisation), so a call seen before
+        costs one dictionary access. Forgotten by `clear`, by `forget_plans` (the database layer's
+        ``clear_cache``), and when the policy or the config source is replaced."""
+        made_with = (_generation[0], self.policy, self._config_source, self.self_check)
+        if made_with != self._plans_made_with:
+            self._plans.clear()
+            self._plans_made_with = made_with
+        key = (heads, dtype, num_requests, max_tree_size, depth, device, config, variant, v_split, tuned_on, scale,
+               use_qk_l2norm, gate_dtype, check, fold)
+        try:
+            launch = self._plans.get(key)
+        except TypeError:  # an unhashable argument: planned (and refused) without the table
+            return self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
+                              device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
+                              scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
+                              fold=fold)
+        if launch is None:
+            launch = self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
+                                device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
+                                scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
+                                fold=fold)
+            if not launch.fallback.startswith("not checked"):  # a capture's stand-in is planned again after it
+                if len(self._plans) >= 4096:
+                    self._plans.clear()
+                self._plans[key] = launch
+        return launch
+
+    def _plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
+              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
+              tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
+              gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False) -> Launch:
         """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
@@ -323,5 +364,7 @@ class Planner:
                                "reference (a Triton miscompile); runs on the fused kernel")
 
     def clear(self) -> None:
-        """Forget the self-check results (the next resident launch of each specialisation checks again)."""
+        """Forget the self-check results and the plans (the next resident launch of each specialisation checks
+        again)."""
         self.checks.clear()
+        self._plans.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bole_tune.tree import TreeBatch
 
-from ..common import dot_precision, gram_dtype, token_head_strides
+from ..common import dot_precision, gram_dtype
 from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
@@ -22,41 +22,73 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 (BENCHMARKS.md, "A layer's round")."""
 
 
+_NO_FOLD = (None,) * 7 + (0,)
+
+
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
                res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None) -> TreeVerifyResult:
     """Run ``launch`` on checked inputs, writing into ``res``. The two kernels take the same arguments
     but for the fused one's block-table width and the resident one's value split and switches; with
-    ``pending``, both first commit the previous round's accepted paths into the slots they read."""
+    ``pending``, both first commit the previous round's accepted paths into the slots they read.
+
+    The launch is keyed (`FastLauncher.launch_keyed`) on what decides its binary beyond the checked shapes and
+    dtypes: the launch, the input, gate and index dtypes, the strides, and whether every tensor is 16-byte aligned
+    (a misaligned one takes Triton's own specialisation by argument)."""
     h, config = shape.heads, launch.config
-    q, sq_n, sq_h = token_head_strides(q)
-    k, sk_n, sk_h = token_head_strides(k)
-    v, sv_n, sv_h = token_head_strides(v)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    if sq[2] != 1:
+        q, sq = _last_contiguous(q)
+    if sk[2] != 1:
+        k, sk = _last_contiguous(k)
+    if sv[2] != 1:
+        v, sv = _last_contiguous(v)
     block_depth, max_blocks = tree.block_depths(launch.node_block)
-    if launch.variant in ("resident", "stream"):
-        kernel, grid = RESIDENT, (h.hv * launch.v_split, shape.num_requests)
-        blocks = ()
-        extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
-                 "STATE_FIRST": launch.variant == "stream"}
+    resident = launch.variant != "fused"
+    if resident:
+        kernel, grid, blocks = RESIDENT, (h.hv * launch.v_split, shape.num_requests), ()
     else:
-        kernel, grid = FUSED, (h.dv // config.b_v, h.hv, shape.num_requests)
-        blocks, extra = (max_blocks,), {}
+        kernel, grid, blocks = FUSED, (h.dv // config.b_v, h.hv, shape.num_requests), (max_blocks,)
+    offsets, enter, leave = tree.offsets, tree.dfs_enter, tree.dfs_exit
+    o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
+    bits = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | beta.data_ptr() | state.data_ptr()
+            | state_indices.data_ptr() | offsets.data_ptr() | enter.data_ptr() | leave.data_ptr()
+            | block_depth.data_ptr() | o.data_ptr() | u.data_ptr() | log_decay.data_ptr() | k_out.data_ptr()
+            | k_scale.data_ptr() | committed.data_ptr())
     if pending is None:  # the fold's pointers are never read: None keeps the launch short
-        fold = (None,) * 7 + (0,)
-        extra.update(FOLD=False)
+        fold, fold_key, width = _NO_FOLD, None, 16
     else:
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
                 commit_epoch())
-        extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=paths.path_rows.shape[1])
-    kernel(
-        grid, q, k, v, g, beta, state, state_indices,
-        tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-        res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, *fold,
-        shape.scale, *blocks, h.hv, h.hk, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        state.stride(0), state.stride(1), state.stride(2),
-        D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
-        USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        width = paths.path_rows.shape[1]
+        fold_key = (paths.request_map.dtype, prev.k.dtype, width)
+        for x in fold[:7]:
+            bits |= x.data_ptr()
+    gs, bs, ss = g.stride(), beta.stride(), state.stride()
+    args = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
+            o, u, log_decay, k_out, k_scale, committed, *fold, shape.scale, *blocks, h.hv, h.hk,
+            sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1], ss[0], ss[1], ss[2])
+    key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
+                                  state_indices.dtype, use_qk_l2norm, fold_key, *args[-15:])
+
+    def meta() -> dict:
+        if resident:
+            extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
+                     "STATE_FIRST": launch.variant == "stream"}
+        else:
+            extra = {}
+        if pending is None:
+            extra.update(FOLD=False)
+        else:
+            extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width)
+        return dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
+                    USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+
+    kernel.launch_keyed(key, grid, args, meta)
     return res
+
+
+def _last_contiguous(x):
+    x = x.contiguous()
+    return x, x.stride()

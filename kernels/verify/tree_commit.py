@@ -37,7 +37,7 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import INDEX_DTYPES, require_tensor, use_triton
+from ..common import require_tensor, use_triton
 from ..launcher import FastLauncher
 from ..reference import commit_closed_form
 from .blocks import path_factors
@@ -156,8 +156,8 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
     if not use_triton(state.device):
         commit_closed_form(state, state_indices, res, accepted, validate=False)
         return
-    _launch(state[None], state_indices, res.tree, accepted, res.u[None], res.log_decay[None], res.k[None],
-            res.k_scale[None], res.committed[None], config)
+    _launch(state, 1, (0, *state.stride()[:3]), state_indices, res.tree, accepted, res.u, res.log_decay, res.k,
+            res.k_scale, res.committed, (0, 0, 0, 0, 0), config)
 
 
 @dataclass
@@ -225,28 +225,37 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         for layer in range(results.num_layers):
             commit_closed_form(states[layer], state_indices, results.layer(layer, tree), accepted, validate=False)
         return
-    _launch(states, state_indices, tree, accepted, results.u, results.log_decay, results.k, results.k_scale,
-            results.committed, config)
+    layers = results.num_layers
+    _launch(states, layers, (states.stride(0) if layers > 1 else 0, *states.stride()[1:4]), state_indices, tree,
+            accepted, results.u, results.log_decay, results.k, results.k_scale, results.committed,
+            tuple(x.stride(0) for x in (results.u, results.log_decay, results.k, results.k_scale, results.committed)),
+            config)
 
 
-def _launch(states, state_indices, tree, accepted, u, log_decay, k, k_scale, committed,
-            config: CommitConfig | None) -> None:
-    """One commit launch over ``L`` stacked layers (``states`` ``[L, slots, Hv, dv, dk]``, factors ``[L, ...]``)."""
-    layers, _, hv, dv, dk = states.shape
-    hk = k.shape[2]
-    if accepted.dtype not in INDEX_DTYPES:
-        raise TypeError(f"accepted: dtype {accepted.dtype}; expected int32 or int64")
+def _launch(states, layers: int, state_strides: tuple, state_indices, tree, accepted, u, log_decay, k, k_scale,
+            committed, layer_strides: tuple, config: CommitConfig | None) -> None:
+    """One commit launch over ``layers`` layers: ``states`` the first layer's pool (``state_strides``: layer, slot,
+    head and value row), the factors the first layer's (``layer_strides``: u, log_decay, k, k_scale and committed
+    to the next layer; all 0 for one layer). Keyed (`FastLauncher.launch_keyed`) on the config, the sizes, the
+    dtypes, the strides and whether every tensor is 16-byte aligned."""
+    hv, dv = u.shape[-2], u.shape[-1]
+    hk, dk = k.shape[-2], k.shape[-1]
     if config is None:
         config = commit_config(hk, hv, dk, dv, k.dtype, tree.max_tree_size, tree.num_requests, layers, states.device)
     if not config.fits(dk, dv):
         raise ValueError(f"config: tiles b_k={config.b_k}, v_span={config.v_span} must divide dk={dk}, dv={dv}")
-    b_k, v_span = config.b_k, config.v_span
-    grid = ((dv // v_span) * (dk // b_k), hv, layers * tree.num_requests)
-    COMMIT(
-        grid, states, state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
-        u, log_decay, k, k_scale, committed, commit_epoch(),
-        states.stride(0) if layers > 1 else 0, states.stride(1), states.stride(2), states.stride(3),
-        u.stride(0), log_decay.stride(0), k.stride(0), k_scale.stride(0), committed.stride(0), tree.num_requests,
-        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=b_k, B_V=config.b_v, V_SPAN=v_span,
-        B_P=16, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    b_k, v_span, num_requests = config.b_k, config.v_span, len(tree.sizes)
+    grid = ((dv // v_span) * (dk // b_k), hv, layers * num_requests)
+    offsets, enter, leave, depth = tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth
+    args = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed,
+            commit_epoch(), *state_strides, *layer_strides, num_requests)
+    bits = (states.data_ptr() | state_indices.data_ptr() | accepted.data_ptr() | offsets.data_ptr()
+            | enter.data_ptr() | leave.data_ptr() | depth.data_ptr() | u.data_ptr() | log_decay.data_ptr()
+            | k.data_ptr() | k_scale.data_ptr() | committed.data_ptr())
+    block = node_block(tree.max_tree_size)
+    key = None if bits & 15 else (config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype,
+                                  log_decay.dtype, k.dtype, k_scale.dtype, committed.dtype, *state_strides,
+                                  *layer_strides)
+    COMMIT.launch_keyed(key, grid, args, lambda: dict(
+        H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
+        num_warps=config.num_warps, num_stages=config.num_stages))

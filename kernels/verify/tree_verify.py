@@ -11,7 +11,7 @@ from bole_tune.config import KernelConfig
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import use_triton
+from ..common import use_triton, validation_enabled
 from ..reference import commit_pending_closed_form, verify_closed_form
 from .checks import check_pending, check_verify_inputs
 from .planner import Launch, Planner
@@ -61,26 +61,27 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
     """
+    validate = validation_enabled(validate)  # resolved once (the environment is read once per call)
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
     if pending is not None:
         check_pending(pending, shape, q.device, out, validate)
-    deep = tree.depth > PLANNER.policy.sweep_f16_max_depth
+    use_qk_l2norm = bool(use_qk_l2norm)
     if launch is None:
         launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
                               max_tree_size=tree.max_tree_size, depth=tree.depth, device=q.device, config=config,
                               variant=variant, v_split=v_split, scale=shape.scale,
-                              use_qk_l2norm=bool(use_qk_l2norm), gate_dtype=g.dtype, fold=pending is not None)
+                              use_qk_l2norm=use_qk_l2norm, gate_dtype=g.dtype, fold=pending is not None)
     else:
         if (config, variant, v_split) != (None, None, None):
             raise ValueError("launch: give either a launch or config/variant/v_split, not both")
         PLANNER.check_launch(launch, shape.heads, q.dtype, tree.max_tree_size, tree.depth, shape.scale,
-                             bool(use_qk_l2norm))
-        launch = PLANNER.checked(launch, shape.heads, q.dtype, g.dtype, shape.scale, bool(use_qk_l2norm), q.device,
-                                 deep)
+                             use_qk_l2norm)
+        launch = PLANNER.checked(launch, shape.heads, q.dtype, g.dtype, shape.scale, use_qk_l2norm, q.device,
+                                 tree.depth > PLANNER.policy.sweep_f16_max_depth)
     if not use_triton(q.device):
         if pending is not None:
             commit_pending_closed_form(state, state_indices, pending)
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
-    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, bool(use_qk_l2norm), pending)
+    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, use_qk_l2norm, pending)
