@@ -48,6 +48,8 @@ class TreeBatch:
             if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or not x.is_contiguous():
                 raise TypeError(f"TreeBatch.{name}: expected a contiguous int32 tensor (build trees with "
                                 "TreeBatch.from_parents)")
+            if x.device != self.offsets.device:
+                raise ValueError(f"TreeBatch.{name}: on {x.device} but offsets are on {self.offsets.device}")
         # sizes asked on every call of the verify, worked out once
         self._cache["facts"] = (sum(self.sizes), max(self.sizes) if self.sizes else 0)
 

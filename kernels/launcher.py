@@ -26,6 +26,18 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _direct_launch(kernel) -> tuple | None:
+    """Triton 3.6's CUDA launcher object without its Python wrapper: ``(launch, cooperative, pdl)`` where the
+    wrapper would allocate no scratch memory (the wrapper's only work besides the call), else None."""
+    run = getattr(kernel, "run", None)
+    try:
+        if run.global_scratch_size == 0 and run.profile_scratch_size == 0 and callable(run.launch):
+            return run.launch, run.launch_cooperative_grid, run.launch_pdl
+    except AttributeError:  # another backend or Triton version: its wrapper runs
+        pass
+    return None
+
+
 class FastLauncher:
     """Launches of one ``@triton.jit`` kernel, positional run-time arguments first, constants by keyword."""
 
@@ -61,12 +73,16 @@ class FastLauncher:
                 spec.append(arg)
         return (len(args), *spec, *meta.items())
 
-    def launch_keyed(self, caller_key, grid: tuple, args: tuple, meta) -> None:
-        """``fn[grid](*args, **meta())`` where the caller names the specialisation: ``caller_key`` must determine
-        everything `key` would take from ``args`` and ``meta`` (the tensors' dtypes and 16-byte alignment, the
-        specialised integers' values, the constants), or be None (then the generic path runs). ``meta`` is a
-        function returning the constants and options, called only when no binary is kept under the key, so a
-        launch seen before builds neither the key of every argument nor the keyword dictionary."""
+    def launch_keyed(self, caller_key, grid: tuple, fast_args: tuple, args, meta) -> None:
+        """``fn[grid](*args(), **meta())`` where the caller names the specialisation.
+
+        ``caller_key`` must determine everything `key` would take from the arguments (the tensors' dtypes and
+        16-byte alignment, the specialised integers' values, the constants and options), or be None (then the
+        argument-keyed path runs). ``fast_args`` are the run-time arguments with each tensor given as its device
+        address (an int, as Triton's C launcher takes a pointer: no ``data_ptr`` call and no driver query of the
+        pointer per tensor); the caller has checked that every tensor lives on the launch's device. ``args`` and
+        ``meta`` are functions returning the arguments with the tensors themselves and the constants and options:
+        called only when no binary is kept under the key (Triton compiles or loads it from them)."""
         if caller_key is not None and self._kinds is not None:
             from triton import knobs
 
@@ -74,18 +90,24 @@ class FastLauncher:
             kept = self.by_caller_key.get((device, caller_key))
             if kept is not None and not (_hooked(knobs.runtime.launch_enter_hook)
                                          or _hooked(knobs.runtime.launch_exit_hook)):
-                kernel, constants = kept
+                kernel, constants = kept[0], kept[1]
                 grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
-                kernel.run(grid_x, grid_y, grid_z, self.stream(device), kernel.function, kernel.packed_metadata,
-                           None, None, None, *args, *constants)
+                direct = kept[2] if len(kept) > 2 else None
+                if direct is not None:  # the C launcher itself: no scratch memory to allocate per launch
+                    launch, cooperative, pdl = direct
+                    launch(grid_x, grid_y, grid_z, self.stream(device), kernel.function, cooperative, pdl, None, None,
+                           kernel.packed_metadata, None, None, None, *fast_args, *constants)
+                else:
+                    kernel.run(grid_x, grid_y, grid_z, self.stream(device), kernel.function, kernel.packed_metadata,
+                               None, None, None, *fast_args, *constants)
                 return
-            kept = self(grid, *args, **meta())
+            kept = self(grid, *args(), **meta())
             if kept is not None:
                 if len(self.by_caller_key) >= 4096:  # a bound on what a process with ever-new shapes keeps
                     self.by_caller_key.clear()
-                self.by_caller_key[(device, caller_key)] = kept
+                self.by_caller_key[(device, caller_key)] = (*kept, _direct_launch(kept[0]))
             return
-        self(grid, *args, **meta())
+        self(grid, *args(), **meta())
 
     def __call__(self, grid: tuple, *args, **meta):
         """``fn[grid](*args, **meta)``, through the kept binary when this specialisation was launched before.

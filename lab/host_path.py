@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
 
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tree-size", type=int, default=4)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     dev = "cuda"
     tree = make_tree([args.tree_size] * args.batch, "chain", device=dev)
@@ -109,8 +111,18 @@ def main() -> None:
         tree_verify(*a, out=layers.layer(layer))
     launch = PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch, max_tree_size=tree.max_tree_size,
                           depth=tree.depth, device=dev)
+    from bole_tune.kernels.verify import result as result_module
+
+    def without_arena():
+        saved, result_module.ARENA_MAX_BYTES = result_module.ARENA_MAX_BYTES, 0
+        try:
+            return tree_verify(*a)
+        finally:
+            result_module.ARENA_MAX_BYTES = saved
+
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
+        "tree_verify (default, six torch.empty)": without_arena,
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
@@ -120,14 +132,20 @@ def main() -> None:
         "  check_pending": lambda: check_pending(pending, shape, x.q.device, res2, None),
         "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
                                                max_tree_size=tree.max_tree_size, depth=tree.depth, device=dev),
-        "  result_buffers (fresh)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
+        "  result_buffers (fresh, cut in advance)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
         "  run_launch": lambda: run_launch(launch, *a, shape, res2, True),
         "  torch.empty x1": lambda: torch.empty(64, device=dev),
     }
     rows.update(launch_parts(launch, a, shape, res2))
     print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16; launch {launch.variant} {launch.config}")
+    measured = {}
     for name, fn in rows.items():
-        print(f"{name:40s} {per_call(fn):8.1f} us/call")
+        measured[name.strip()] = per_call(fn)
+        print(f"{name:40s} {measured[name.strip()]:8.1f} us/call")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "tree_size": args.tree_size, "launch": f"{launch.variant} {launch.config}",
+                       "us_per_call": measured}, f, indent=1)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

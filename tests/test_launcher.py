@@ -104,32 +104,60 @@ def test_launch_hooks_and_constants_among_the_arguments_keep_triton_s_path(launc
 
 
 def test_a_caller_keyed_launch_skips_the_argument_key_and_the_keywords_once_kept(launcher, monkeypatch):
-    """`launch_keyed`: the first launch under a key goes through Triton (the keywords built), later ones straight
-    to the kept binary without asking for them; no key (a caller that cannot vouch for the specialisation, such as
-    a misaligned tensor) takes the argument-keyed path every time."""
+    """`launch_keyed`: the first launch under a key goes through Triton with the tensors (their arguments and
+    keywords built), later ones straight to the kept binary with the fast arguments (tensors as their addresses),
+    without asking for either; no key (a caller that cannot vouch for the specialisation, such as a misaligned
+    tensor) takes the argument-keyed path with the tensors every time."""
     x = torch.zeros(64)
     asked = []
 
     def meta():
-        asked.append(1)
+        asked.append("meta")
         return {"N": 8, "num_warps": 4}
 
-    launcher.launch_keyed(("k", 32), (4,), (x, 32, 5), meta)
-    launcher.launch_keyed(("k", 32), (4, 2), (x, 32, 6), meta)
-    assert paths(launcher) == ["triton", "fast"] and len(asked) == 1
-    _, args = launcher.fn.log[1]
-    assert args == (4, 2, 1, 7, "function", "metadata", None, None, None, x, 32, 6, None)
-    launcher.launch_keyed(("k", 24), (4,), (x, 24, 5), meta)  # another key: Triton's binder, then kept too
-    assert paths(launcher) == ["triton", "fast", "triton"] and len(asked) == 2
-    launcher.launch_keyed(None, (4,), (x, 32, 5), meta)  # unkeyed: the argument key finds the first binary
-    assert paths(launcher)[-1] == "fast" and len(asked) == 3
+    def args(*values):
+        def build():
+            asked.append("args")
+            return (x, *values)
+        return build
+
+    launcher.launch_keyed(("k", 32), (4,), (x.data_ptr(), 32, 5), args(32, 5), meta)
+    launcher.launch_keyed(("k", 32), (4, 2), (x.data_ptr(), 32, 6), args(32, 6), meta)
+    assert paths(launcher) == ["triton", "fast"] and asked == ["args", "meta"]
+    _, fast = launcher.fn.log[1]
+    assert fast == (4, 2, 1, 7, "function", "metadata", None, None, None, x.data_ptr(), 32, 6, None)
+    launcher.launch_keyed(("k", 24), (4,), (x.data_ptr(), 24, 5), args(24, 5), meta)  # another key: Triton
+    assert paths(launcher) == ["triton", "fast", "triton"] and asked.count("meta") == 2
+    launcher.launch_keyed(None, (4,), (x.data_ptr(), 32, 5), args(32, 5), meta)  # unkeyed: by the tensors
+    assert paths(launcher)[-1] == "fast" and launcher.fn.log[-1][1][9] is x
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    launcher.launch_keyed(("k", 32), (4,), (x, 32, 5), meta)  # a profiler's hook: Triton's path
+    launcher.launch_keyed(("k", 32), (4,), (x.data_ptr(), 32, 5), args(32, 5), meta)  # a profiler's hook
     assert paths(launcher)[-1] == "triton"
     launcher.clear()
     assert not launcher.by_caller_key and not launcher.compiled
+
+
+def test_a_kept_binary_is_called_through_its_c_launcher_when_it_needs_no_scratch():
+    from bole_tune.kernels.launcher import _direct_launch
+
+    calls = []
+
+    class Run:
+        global_scratch_size, profile_scratch_size, launch_cooperative_grid, launch_pdl = 0, 0, False, True
+
+        def launch(self, *args):
+            calls.append(args)
+
+    kernel = SimpleNamespace(run=Run())
+    launch, cooperative, pdl = _direct_launch(kernel)
+    assert (cooperative, pdl) == (False, True)
+    launch(1, 2)
+    assert calls == [(1, 2)]
+    kernel.run.global_scratch_size = 64  # scratch memory: the wrapper allocates it, so it runs
+    assert _direct_launch(kernel) is None
+    assert _direct_launch(SimpleNamespace(run=lambda *a: None)) is None  # another launcher: its own call
 
 
 def test_the_interpreter_runs_triton_s_path():
@@ -146,7 +174,7 @@ def test_the_interpreter_runs_triton_s_path():
     fast = FastLauncher(fn)
     fast((1,), 1, 2)
     fast((1,), 1, 2)
-    fast.launch_keyed(("key",), (1,), (1, 2), dict)
+    fast.launch_keyed(("key",), (1,), (1, 2), lambda: (1, 2), dict)
     assert fn.calls == 3 and not fast.compiled and not fast.by_caller_key
 
 
@@ -195,3 +223,50 @@ def test_kept_binaries_verify_and_commit_exactly_on_the_gpu():
         tree_commit(pool, x.state_indices, tree_verify(*x.args(tree)), accepted)
         assert_close(pool, expected, TOLERANCE[torch.float32], f"commit call {call}")
     assert len(commit_module.COMMIT.compiled) == 1
+
+
+def test_fresh_results_are_cut_apart_aligned_and_never_handed_out_twice():
+    """Small results come from one allocation per field shared by ARENA_RESULTS calls: every result gets its own
+    contiguous, 16-byte aligned fields of the right shapes and dtypes, no two results overlap (across more calls than
+    one allocation serves), and a kept result's memory stays its own."""
+    from bole_tune.kernels.verify.result import ARENA_RESULTS, VerifyShape, _arenas, result_buffers
+    from bole_tune.shapes import HeadShape
+    from bole_tune.tree import TreeBatch
+
+    _arenas.clear()
+    tree = TreeBatch.from_parents([[-1, 0, 1]])  # 3 nodes, one request: odd sizes that a plain cut would misalign
+    shape = VerifyShape(heads=HeadShape(hk=1, hv=3, dk=16, dv=16), num_nodes=3, num_requests=1, num_slots=2,
+                        scale=0.25)
+    expected = {"o": ((3, 3, 16), torch.bfloat16), "u": ((3, 3, 16), torch.float32), "log_decay": ((3, 3), torch.float32),
+                "k": ((3, 1, 16), torch.bfloat16), "k_scale": ((3, 1), torch.float32), "committed": ((1,), torch.int32)}
+    results = [result_buffers(shape, torch.bfloat16, torch.device("cpu"), tree, None) for _ in range(2 * ARENA_RESULTS + 3)]
+    spans = []
+    for res in results:
+        assert res.tree is tree
+        for name, (size, dtype) in expected.items():
+            x = getattr(res, name)
+            assert tuple(x.shape) == size and x.dtype == dtype and x.is_contiguous(), name
+            assert x.data_ptr() % 16 == 0, f"{name} not 16-byte aligned"
+            spans.append((x.data_ptr(), x.data_ptr() + x.nbytes))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "two fields overlap"
+    keep = results[5]
+    keep.u.fill_(7.0)
+    del results
+    for _ in range(ARENA_RESULTS):
+        result_buffers(shape, torch.bfloat16, torch.device("cpu"), tree, None).u.fill_(-1.0)
+    assert bool((keep.u == 7.0).all())
+
+
+def test_large_results_get_buffers_of_their_own(monkeypatch):
+    from bole_tune.kernels.verify import result as result_module
+    from bole_tune.shapes import HeadShape
+    from bole_tune.tree import TreeBatch
+
+    result_module._arenas.clear()
+    monkeypatch.setattr(result_module, "ARENA_MAX_BYTES", 0)
+    tree = TreeBatch.from_parents([[-1, 0]])
+    shape = result_module.VerifyShape(heads=HeadShape(hk=1, hv=1, dk=16, dv=16), num_nodes=2, num_requests=1,
+                                      num_slots=1, scale=0.25)
+    res = result_module.result_buffers(shape, torch.float32, torch.device("cpu"), tree, None)
+    assert res.u.untyped_storage().nbytes() == res.u.nbytes and not any(result_module._arenas.values())

@@ -164,7 +164,9 @@ def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
             and state.stride(3) == 1 and state_indices.shape == (b,) and accepted.shape == (b,)
             and result.committed.shape == (b,) and state_indices.dtype in INDEX_DTYPES
             and accepted.dtype in INDEX_DTYPES and state_indices.stride(0) == 1 and accepted.stride(0) == 1
-            and state_indices.device == device and accepted.device == device and state.device == device)
+            and state_indices.device == device and accepted.device == device and state.device == device
+            and result.k.device == device and result.log_decay.device == device and result.k_scale.device == device
+            and result.committed.device == device and result.tree.offsets.device == device)
 
 
 def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
@@ -192,6 +194,11 @@ def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
             raise ValueError(f"{name}: on device {x.device} but the verification result is on {result.u.device}")
     if state.device != result.u.device:
         raise ValueError(f"state: on device {state.device} but the verification result is on {result.u.device}")
+    for name in ("k", "log_decay", "k_scale", "committed"):
+        if getattr(result, name).device != result.u.device:
+            raise ValueError(f"res.{name}: on device {getattr(result, name).device} but res.u is on {result.u.device}")
+    if tree.offsets.device != result.u.device:
+        raise ValueError(f"res.tree: on device {tree.offsets.device} but res.u is on {result.u.device}")
     for name, x in (("state_indices", state_indices), ("accepted", accepted)):
         if x.stride(0) != 1 and x.shape[0] > 1:
             raise ValueError(f"{name}: must be contiguous (stride 1), got stride {x.stride(0)}")
@@ -244,7 +251,8 @@ def _pending_holds(pending, shape: VerifyShape, device, out) -> bool:
             and prev.u.dtype == f32 and prev.log_decay.dtype == f32 and prev.k_scale.dtype == f32
             and prev.committed.dtype == torch.int32
             and request_map.device == device and accepted.device == device and rows.device == device
-            and prev.u.device == device and tree.offsets.device == device):
+            and prev.u.device == device and prev.log_decay.device == device and prev.k.device == device
+            and prev.k_scale.device == device and prev.committed.device == device and tree.offsets.device == device):
         return False
     if out is None:
         return True
@@ -291,7 +299,9 @@ def _explain_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult 
                             "(the previous round's TreeVerifyResult)")
     for name, x in (("paths.request_map", paths.request_map), ("paths.accepted", paths.accepted),
                     ("paths.path_rows", paths.path_rows),
-                    ("result.u", prev.u), ("paths.tree", paths.tree.offsets)):
+                    ("result.u", prev.u), ("result.log_decay", prev.log_decay), ("result.k", prev.k),
+                    ("result.k_scale", prev.k_scale), ("result.committed", prev.committed),
+                    ("paths.tree", paths.tree.offsets)):
         if x.device != device:
             raise ValueError(f"pending.{name}: on device {x.device} but the inputs are on {device}")
     if isinstance(out, TreeVerifyResult) and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):

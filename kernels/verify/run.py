@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype
@@ -50,10 +53,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         kernel, grid, blocks = FUSED, (h.dv // config.b_v, h.hv, shape.num_requests), (max_blocks,)
     offsets, enter, leave = tree.offsets, tree.dfs_enter, tree.dfs_exit
     o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
-    bits = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | beta.data_ptr() | state.data_ptr()
-            | state_indices.data_ptr() | offsets.data_ptr() | enter.data_ptr() | leave.data_ptr()
-            | block_depth.data_ptr() | o.data_ptr() | u.data_ptr() | log_decay.data_ptr() | k_out.data_ptr()
-            | k_scale.data_ptr() | committed.data_ptr())
+    tensors = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
+               o, u, log_decay, k_out, k_scale, committed)
     if pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold, fold_key, width = _NO_FOLD, None, 16
     else:
@@ -62,14 +63,21 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                 commit_epoch())
         width = paths.path_rows.shape[1]
         fold_key = (paths.request_map.dtype, prev.k.dtype, width)
-        for x in fold[:7]:
-            bits |= x.data_ptr()
+        tensors += fold[:7]
+    pointers = tuple(x.data_ptr() for x in tensors)
+    bits = reduce(or_, pointers)
     gs, bs, ss = g.stride(), beta.stride(), state.stride()
-    args = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
-            o, u, log_decay, k_out, k_scale, committed, *fold, shape.scale, *blocks, h.hv, h.hk,
-            sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1], ss[0], ss[1], ss[2])
+    scalars = (shape.scale, *blocks, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1],
+               ss[0], ss[1], ss[2])
+    if pending is None:
+        fast_args = (*pointers, *_NO_FOLD, *scalars)
+    else:
+        fast_args = (*pointers, fold[7], *scalars)
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, *args[-15:])
+                                  state_indices.dtype, use_qk_l2norm, fold_key, *scalars[-15:])
+
+    def args() -> tuple:
+        return (*tensors[:17], *fold, *scalars)
 
     def meta() -> dict:
         if resident:
@@ -85,7 +93,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                     USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
                     num_warps=config.num_warps, num_stages=config.num_stages)
 
-    kernel.launch_keyed(key, grid, args, meta)
+    kernel.launch_keyed(key, grid, fast_args, args, meta)
     return res
 
 

@@ -29,6 +29,8 @@ import triton.language as tl
 
 import importlib
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 from typing import Callable
 
 import torch
@@ -247,15 +249,13 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     b_k, v_span, num_requests = config.b_k, config.v_span, len(tree.sizes)
     grid = ((dv // v_span) * (dk // b_k), hv, layers * num_requests)
     offsets, enter, leave, depth = tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth
-    args = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed,
-            commit_epoch(), *state_strides, *layer_strides, num_requests)
-    bits = (states.data_ptr() | state_indices.data_ptr() | accepted.data_ptr() | offsets.data_ptr()
-            | enter.data_ptr() | leave.data_ptr() | depth.data_ptr() | u.data_ptr() | log_decay.data_ptr()
-            | k.data_ptr() | k_scale.data_ptr() | committed.data_ptr())
+    tensors = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed)
+    scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
+    pointers = tuple(x.data_ptr() for x in tensors)
     block = node_block(tree.max_tree_size)
-    key = None if bits & 15 else (config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype,
-                                  log_decay.dtype, k.dtype, k_scale.dtype, committed.dtype, *state_strides,
-                                  *layer_strides)
-    COMMIT.launch_keyed(key, grid, args, lambda: dict(
+    key = None if reduce(or_, pointers) & 15 else (
+        config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
+        k_scale.dtype, committed.dtype, *state_strides, *layer_strides)
+    COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
         num_warps=config.num_warps, num_stages=config.num_stages))
