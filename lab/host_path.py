@@ -51,9 +51,9 @@ def launch_parts(launch, a, shape, res) -> dict:
         def __init__(self, fast):
             self.fast = fast
 
-        def launch_keyed(self, key, grid, args, meta):
-            captured.update(fn=self.fast.fn, key=key, grid=grid, args=args, meta=meta)
-            return self.fast.launch_keyed(key, grid, args, meta)
+        def launch_keyed(self, key, grid, fast_args, args, meta):
+            captured.update(fn=self.fast.fn, key=key, grid=grid, fast_args=fast_args, args=args(), meta=meta)
+            return self.fast.launch_keyed(key, grid, fast_args, args, meta)
 
     name = "RESIDENT" if launch.variant != "fused" else "FUSED"
     original = getattr(run_module, name)
@@ -62,7 +62,7 @@ def launch_parts(launch, a, shape, res) -> dict:
         run_launch(launch, *a, shape, res, True)
     finally:
         setattr(run_module, name, original)
-    fn, key, grid, args, meta = (captured[x] for x in ("fn", "key", "grid", "args", "meta"))
+    fn, key, grid, fast_args, args, meta = (captured[x] for x in ("fn", "key", "grid", "fast_args", "args", "meta"))
     kwargs = meta()
     device = driver.active.get_current_device()
     kernel_cache, key_cache, _, _, binder = fn.device_caches[device]
@@ -76,13 +76,20 @@ def launch_parts(launch, a, shape, res) -> dict:
     def c_launch():
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
+    addresses = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in values]
+
+    def c_launch_addresses():
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *addresses)
+
     return {
-        "  launch_keyed (caller's key)": lambda: original.launch_keyed(key, grid, args, meta),
+        "  launch_keyed (caller's key)": lambda: original.launch_keyed(key, grid, fast_args, lambda: args, meta),
         "  FastLauncher (argument key)": lambda: original(grid, *args, **kwargs),
         "  argument key alone": lambda: original.key(args, kwargs),
         "  JIT launch (fn[grid](...))": lambda: fn[grid](*args, **kwargs),
         "  binder alone": lambda: binder(*args, **kw),
-        "  compiled.run alone (C launcher)": c_launch,
+        "  compiled.run alone (C launcher, tensors)": c_launch,
+        "  compiled.run alone (C launcher, addresses)": c_launch_addresses,
         "  current device + stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
         f"  ({len(values)} bound arguments, caller key {'set' if key is not None else 'None'})": lambda: None,
     }
