@@ -1,13 +1,19 @@
-"""Launching a compiled Triton kernel with less host time (BENCHMARKS.md, "A layer's round": host time).
+"""Launching a compiled Triton kernel with less host time (BENCHMARKS.md, "The host path").
 
-``fn[grid](*args, **meta)`` costs about 37 us of host time on the H200's host for the verify kernels' 56
-arguments: Triton's binder works out each argument's specialisation (15 us), turns it into a cache key (4 us),
-looks up the device and stream and the launch hooks, then calls the compiled kernel's C launcher (9.5 us).
-`FastLauncher` keeps the compiled kernel of each specialisation it has seen and, on a later call with the same
-specialisation, calls the C launcher directly: the key it builds is a tuple of what Triton specialises on, taken
-from the arguments themselves (each specialised integer's value, each tensor's dtype and 16-byte alignment, the
-32/64-bit range of the integers Triton does not specialise, and the launch's constants and options), so a call
-that Triton would compile differently never reuses another call's binary.
+``fn[grid](*args, **meta)`` costs 33-53 us of host time on the H200's host for the verify kernels' 56 arguments:
+Triton's binder works out each argument's specialisation (13-17 us), turns it into a cache key, looks up the
+device, the stream and the launch hooks, then calls the compiled kernel's C launcher (9-11 us, of which a third
+is a ``data_ptr`` call and a driver query of each tensor's pointer). `FastLauncher` keeps the compiled kernel of
+each specialisation it has seen and later calls its C launcher directly, on one of two keys:
+
+- `FastLauncher.__call__`: a tuple of what Triton specialises on, taken from the arguments themselves (each
+  specialised integer's value, each tensor's dtype and 16-byte alignment, the 32/64-bit range of the integers Triton
+  does not specialise, and the launch's constants and options), so a call that Triton would compile differently
+  never reuses another call's binary. Building it costs about as much as Triton's binder.
+- `FastLauncher.launch_keyed`: a key the caller builds from what it knows (the verify and the commit: their launch
+  or config, sizes, dtypes, strides, and whether every tensor is 16-byte aligned; the shapes and dtypes fixed by
+  their checks), with each tensor passed as its device address (the C launcher takes an int as the pointer
+  itself). The arguments with the tensors and the keywords are built only when no binary is kept under the key.
 
 Triton's own path runs instead: for the first call of each specialisation (it compiles or loads the kernel and
 returns it), under ``TRITON_INTERPRET=1`` (nothing is compiled), while a launch hook is installed (a profiler
@@ -18,12 +24,25 @@ arguments (the launcher is handed every parameter in order, constants included, 
 from __future__ import annotations
 
 import torch
+from triton import knobs
 
 
 
 def _hooked(hook) -> bool:
     """A launch hook is installed (Triton 3.6 keeps an empty chain of hooks when none is)."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_driver = []
+
+
+def _active_driver():
+    """Triton's active driver, looked up once (an import and a property lookup per launch cost host time)."""
+    if not _driver:
+        from triton.runtime.driver import driver
+
+        _driver.append(driver.active)
+    return _driver[0]
 
 
 def _direct_launch(kernel) -> tuple | None:
@@ -84,8 +103,6 @@ class FastLauncher:
         ``meta`` are functions returning the arguments with the tensors themselves and the constants and options:
         called only when no binary is kept under the key (Triton compiles or loads it from them)."""
         if caller_key is not None and self._kinds is not None:
-            from triton import knobs
-
             device = self.device()
             kept = self.by_caller_key.get((device, caller_key))
             if kept is not None and not (_hooked(knobs.runtime.launch_enter_hook)
@@ -116,8 +133,6 @@ class FastLauncher:
         if self._kinds is None:  # the interpreter
             self.fn[grid](*args, **meta)
             return None
-        from triton import knobs
-
         device = self.device()
         key = self.key(args, meta)
         if key is not None:
@@ -139,15 +154,11 @@ class FastLauncher:
 
     @staticmethod
     def device():
-        from triton.runtime.driver import driver
-
-        return driver.active.get_current_device()
+        return _active_driver().get_current_device()
 
     @staticmethod
     def stream(device):
-        from triton.runtime.driver import driver
-
-        return driver.active.get_current_stream(device)
+        return _active_driver().get_current_stream(device)
 
     def clear(self) -> None:
         self.compiled.clear()

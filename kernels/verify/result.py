@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -101,71 +100,20 @@ def commit_epoch() -> int:
     return next(_epochs) % (2 ** 31 - 1) + 1
 
 
-ARENA_RESULTS = 16
-"""Results one allocation of `_fresh_buffers` is cut into (one allocation per field for this many calls)."""
-ARENA_MAX_BYTES = 1 << 20
-"""Largest result (all six fields) that is cut from a shared allocation; larger ones get buffers of their own (there
-the allocation is a small part of the call, and a kept result must not hold 16 times its size)."""
-_arenas: dict[tuple, list] = {}
-
-
-def _field_sizes(shape: VerifyShape, dtype: torch.dtype) -> tuple:
-    h, n, f32 = shape.heads, shape.num_nodes, torch.float32
-    return (((n, h.hv, h.dv), dtype), ((n, h.hv, h.dv), f32), ((n, h.hv), f32), ((n, h.hk, h.dk), dtype),
-            ((n, h.hk), f32), ((shape.num_requests,), torch.int32))
-
-
-def _fresh_buffers(shape: VerifyShape, dtype: torch.dtype, device) -> tuple:
-    """The six buffers of a new result: ``o, u, log_decay, k, k_scale, committed``.
-
-    Allocating six tensors costs 20-30 us of host time on the H200's host (a CUDA ``torch.empty`` and its free
-    cost 4 us each there), more than the launch. So small results (at most `ARENA_MAX_BYTES`) are cut from one
-    allocation per field shared by `ARENA_RESULTS` calls: the views are cut when the allocation is made (one
-    ``unbind`` per field), each starting on a 16-byte boundary (the kernels' aligned specialisation), and handed
-    out one result per call. A result holds its views, its views hold the allocation: the memory lives until the
-    last result cut from it is dropped, and no view is ever handed out twice. The views are cut per device and
-    current stream (a result's memory is freed into the pool of the stream it was made for, as a fresh tensor's
-    would be); inside a CUDA graph capture every result gets buffers of its own, from the graph's pool.
-    """
-    sizes = _field_sizes(shape, dtype)
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return tuple(torch.empty(size, dtype=dt, device=device) for size, dt in sizes)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (shape.num_nodes, shape.num_requests, shape.heads, dtype, index,
-               torch._C._cuda_getCurrentRawStream(index))
-    else:
-        key = (shape.num_nodes, shape.num_requests, shape.heads, dtype, device)
-    cut = _arenas.get(key)
-    if cut:
-        return cut.pop()
-    if cut is None:
-        total = sum(math.prod(size) * dt.itemsize for size, dt in sizes)
-        if total > ARENA_MAX_BYTES:
-            return tuple(torch.empty(size, dtype=dt, device=device) for size, dt in sizes)
-        if len(_arenas) >= 256:  # a process whose shapes keep changing keeps a bounded table
-            _arenas.clear()
-    fields = []
-    for size, dt in sizes:
-        numel = math.prod(size)
-        row = -(-numel * dt.itemsize // 16) * 16 // dt.itemsize  # each result's start 16-byte aligned
-        base = torch.empty(ARENA_RESULTS * row, dtype=dt, device=device)
-        strides = [1] * len(size)
-        for d in range(len(size) - 2, -1, -1):
-            strides[d] = strides[d + 1] * size[d + 1]
-        fields.append(base.as_strided((ARENA_RESULTS, *size), (row, *strides)).unbind(0))
-    cut = _arenas[key] = list(zip(*fields))
-    return cut.pop()
-
-
 def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBatch,
                    out: TreeVerifyResult | None) -> TreeVerifyResult:
     """Fresh output buffers, or ``out`` (for example reused across layers) after checking it fits."""
     h, n = shape.heads, shape.num_nodes
     if type(device) is not torch.device:
         device = torch.device(device)
-    if out is None:  # the default call (a call's host time counts): buffers cut in advance, or fresh ones
-        return TreeVerifyResult(*_fresh_buffers(shape, dtype, device), tree)
+    if out is None:  # the default call: six fresh buffers, nothing else (a call's host time counts)
+        f32, hv, hk = torch.float32, h.hv, h.hk
+        return TreeVerifyResult(torch.empty((n, hv, h.dv), dtype=dtype, device=device),
+                                torch.empty((n, hv, h.dv), dtype=f32, device=device),
+                                torch.empty((n, hv), dtype=f32, device=device),
+                                torch.empty((n, hk, h.dk), dtype=dtype, device=device),
+                                torch.empty((n, hk), dtype=f32, device=device),
+                                torch.empty((shape.num_requests,), dtype=torch.int32, device=device), tree)
     if type(out) is TreeVerifyResult:  # the same conditions as below as plain comparisons, the common case
         f32, hv, hk = torch.float32, h.hv, h.hk
         o, u, log_decay, k, k_scale, committed = out.o, out.u, out.log_decay, out.k, out.k_scale, out.committed

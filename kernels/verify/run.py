@@ -5,6 +5,8 @@ from __future__ import annotations
 from functools import reduce
 from operator import or_
 
+import torch
+
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype
@@ -13,9 +15,11 @@ from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
 
+from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
+
 RESIDENT = FastLauncher(tree_verify_resident_kernel)
 FUSED = FastLauncher(tree_verify_fused_kernel)
-from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
+_data_ptr = torch.Tensor.data_ptr
 
 
 FOLD_DOT_PRECISION = "tf32x3"
@@ -64,7 +68,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         width = paths.path_rows.shape[1]
         fold_key = (paths.request_map.dtype, prev.k.dtype, width)
         tensors += fold[:7]
-    pointers = tuple(x.data_ptr() for x in tensors)
+    pointers = tuple(map(_data_ptr, tensors))
     bits = reduce(or_, pointers)
     gs, bs, ss = g.stride(), beta.stride(), state.stride()
     scalars = (shape.scale, *blocks, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1],

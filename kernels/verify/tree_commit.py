@@ -111,6 +111,7 @@ def tree_commit_kernel(
 
 
 COMMIT = FastLauncher(tree_commit_kernel)
+_data_ptr = torch.Tensor.data_ptr
 
 _config_source: Callable | None = None
 
@@ -251,7 +252,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     offsets, enter, leave, depth = tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth
     tensors = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed)
     scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
-    pointers = tuple(x.data_ptr() for x in tensors)
+    pointers = tuple(map(_data_ptr, tensors))
     block = node_block(tree.max_tree_size)
     key = None if reduce(or_, pointers) & 15 else (
         config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
