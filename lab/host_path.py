@@ -118,18 +118,8 @@ def main() -> None:
         tree_verify(*a, out=layers.layer(layer))
     launch = PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch, max_tree_size=tree.max_tree_size,
                           depth=tree.depth, device=dev)
-    from bole_tune.kernels.verify import result as result_module
-
-    def without_arena():
-        saved, result_module.ARENA_MAX_BYTES = result_module.ARENA_MAX_BYTES, 0
-        try:
-            return tree_verify(*a)
-        finally:
-            result_module.ARENA_MAX_BYTES = saved
-
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
-        "tree_verify (default, six torch.empty)": without_arena,
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
@@ -139,7 +129,7 @@ def main() -> None:
         "  check_pending": lambda: check_pending(pending, shape, x.q.device, res2, None),
         "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
                                                max_tree_size=tree.max_tree_size, depth=tree.depth, device=dev),
-        "  result_buffers (fresh, cut in advance)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
+        "  result_buffers (fresh)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
         "  run_launch": lambda: run_launch(launch, *a, shape, res2, True),
         "  torch.empty x1": lambda: torch.empty(64, device=dev),
     }
