@@ -1,0 +1,181 @@
+"""Issue 17, the ring of pending rounds: what a verify costs that applies pending paths to its products as
+corrections instead of writing them into the state. 9B heads, bf16, CUDA graphs, one run.
+
+With pending tokens j (keys k_j, updates u_j, weights w_j = exp(L - L_j) and total decay P = exp(L)) the state a
+round must read is S' = P S + sum_j w_j u_j k_j^T (docs/math.md, "A ring of pending rounds"). The verify needs only
+S' q_i and S' k_i, which are P (S q_i) + sum_j w_j (k_j . q_i) u_j: a [T, m] x [m, b_v] product per value tile,
+against the fold's [b_v, m] x [m, b_k] product on every state tile and its write-back. This script times a copy of
+the resident kernel (both orders) whose fold is replaced by those corrections (the state is read, never written),
+fed by the previous round's path exactly as the folded launch is (one round pending, m <= 16: the token count of a
+ring of four rounds of 4-node chains), beside the plain verify, the folded verify and the all-layer commit; it
+first checks the copy's outputs against the shipped folded launch (the same S'). The ring itself (a per-slot
+buffer of pending tokens, its append and its write-back every R rounds) is not built; the projected round is the
+corrections' verify plus the all-layer commit's share, commit / R.
+
+    python3 lab/ring_corrections.py [--json OUT] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import tempfile
+
+import torch
+
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
+from bole_tune.kernels.launcher import FastLauncher
+from bole_tune.kernels.verify import resident as resident_module
+from bole_tune.kernels.verify import run as run_module
+from bole_tune.shapes import HeadShape
+from bole_tune.timing import time_launches
+
+CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 64, "random"), (1, 4, "chain")]
+
+# the state-first order: one value tile, the corrections' dot products ride along the key steps
+FIRST_INIT = """        if FOLD:
+            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        for i_k in range(0, D_K, B_K):"""
+FIRST_INIT_RING = """        b_qp = tl.zeros([B_T, B_P], dtype=tl.float32)
+        b_kp = tl.zeros([B_T, B_P], dtype=tl.float32)
+        if FOLD:
+            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        for i_k in range(0, D_K, B_K):"""
+FIRST_FOLD = """            if FOLD:
+                b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
+                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+        b_w, b_m, a_q, a_k = head_factors("""
+FIRST_RING = """            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            if FOLD:
+                b_kpc = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
+                                mask=m_p[:, None], other=0).to(tl.float32)
+                b_qp = tl.dot(b_q.to(tl.float32), tl.trans(b_kpc), b_qp, input_precision=FOLD_DOT)
+                b_kp = tl.dot(b_k.to(tl.float32), tl.trans(b_kpc), b_kp, input_precision=FOLD_DOT)
+        if FOLD:
+            b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
+            b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
+        b_w, b_m, a_q, a_k = head_factors("""
+# the factors-first order: value tiles outside, key steps inside
+SECOND_INIT = """            if FOLD:
+                b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+            for i_k in range(0, D_K, B_K):"""
+SECOND_INIT_RING = """            b_qp = tl.zeros([B_T, B_P], dtype=tl.float32)
+            b_kp = tl.zeros([B_T, B_P], dtype=tl.float32)
+            if FOLD:
+                b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+            for i_k in range(0, D_K, B_K):"""
+SECOND_FOLD = """                if FOLD:
+                    b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
+                    tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            readout("""
+SECOND_RING = """                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+                if FOLD:
+                    b_kpc = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
+                                    mask=m_p[:, None], other=0).to(tl.float32)
+                    b_qp = tl.dot(b_q.to(tl.float32), tl.trans(b_kpc), b_qp, input_precision=FOLD_DOT)
+                    b_kp = tl.dot(b_k.to(tl.float32), tl.trans(b_kpc), b_kp, input_precision=FOLD_DOT)
+            if FOLD:
+                b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
+                b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
+            readout("""
+PATCHES = [(FIRST_INIT, FIRST_INIT_RING), (FIRST_FOLD, FIRST_RING), (SECOND_INIT, SECOND_INIT_RING),
+           (SECOND_FOLD, SECOND_RING)]
+
+
+def ring_kernel(workdir: pathlib.Path):
+    """A copy of the resident kernel whose fold is applied to its products as corrections (no state write)."""
+    source = pathlib.Path(resident_module.__file__).read_text()
+    for old, new in PATCHES:
+        assert source.count(old) == 1, "the resident kernel's source changed: update the patch"
+        source = source.replace(old, new)
+    source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
+    path = workdir / "resident_ring.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("resident_ring", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tree_verify_resident_kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=24)
+    args = parser.parse_args()
+    heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
+    ring = FastLauncher(ring_kernel(pathlib.Path(tempfile.mkdtemp())))
+    shipped = run_module.RESIDENT
+    epoch = run_module.commit_epoch
+    run_module.commit_epoch = lambda: 7  # one mark for every launch: a pending path stays pending while timed
+    rows = []
+    try:
+        for batch, size, kind in CASES:
+            case = BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind)
+            bench = CaseBench(case, "cuda")
+            tree, pool, inputs, slots = bench.sets(64)
+            launch, accepted = bench.launch(), bench.deepest(tree)
+            prev = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
+                    for i, x in enumerate(inputs)]
+            outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch)
+                    for i, x in enumerate(inputs)]
+            pending = [PendingCommit(PendingPaths.between_rounds(tree, accepted, slots[i], slots[i], pool.shape[0]),
+                                     prev[i]) for i in range(len(inputs))]
+            row = {"batch": batch, "tree_size": size, "kind": kind, "variant": launch.variant,
+                   "config": str(launch.config)}
+            if launch.variant == "fused":
+                print(f"B={batch} T={size}: the fused kernel runs this bucket; the copy is of the resident kernel")
+                continue
+            # the check: the corrections give the folded launch's outputs (the same S'), the pool left as it was
+            x = inputs[0]
+            before = pool.clone()
+            run_module.RESIDENT = ring
+            try:
+                got = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[0], tree, launch=launch, out=outs[0],
+                                  pending=pending[0]).o.float().clone()
+            finally:
+                run_module.RESIDENT = shipped
+            row["ring_writes_state"] = not torch.equal(before, pool)
+            prev[0].committed.zero_()
+            want = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[0], tree, launch=launch, out=outs[0],
+                               pending=pending[0]).o.float()
+            row["ring_vs_folded_rel_error"] = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            pool.copy_(before)
+
+            def timed(fold: bool, kernel):
+                def run(i):
+                    x = inputs[i]
+                    tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i],
+                                pending=pending[i] if fold else None)
+                run_module.RESIDENT = kernel
+                try:
+                    return time_launches(run, len(inputs), "cuda", repeats=args.repeats).p50_us
+                finally:
+                    run_module.RESIDENT = shipped
+
+            row["verify"] = timed(False, shipped)
+            row["folded"] = timed(True, shipped)
+            row["ring_corrections"] = timed(True, ring)
+            pool.copy_(before)
+            rounds = bench.time_rounds(args.layers, args.repeats)
+            row["tree_commit_layers"] = rounds["tree_commit_layers"].p50_us
+            for r in (4, 8):
+                row[f"projected_ring_round_R{r}"] = row["ring_corrections"] + row["tree_commit_layers"] / r
+            print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+            del bench, tree, pool, inputs, prev, outs, pending
+            torch.cuda.empty_cache()
+    finally:
+        run_module.commit_epoch = epoch
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
