@@ -12,7 +12,7 @@ first checks the copy's outputs against the shipped folded launch (the same S').
 buffer of pending tokens, its append and its write-back every R rounds) is not built; the projected round is the
 corrections' verify plus the all-layer commit's share, commit / R.
 
-    python3 lab/ring_corrections.py [--json OUT] [--repeats 30]
+    python3 lab/ring_corrections.py [--json OUT] [--repeats 30] [--dot tf32x3|tf32]
 """
 
 from __future__ import annotations
@@ -87,16 +87,17 @@ PATCHES = [(FIRST_INIT, FIRST_INIT_RING), (FIRST_FOLD, FIRST_RING), (SECOND_INIT
            (SECOND_FOLD, SECOND_RING)]
 
 
-def ring_kernel(workdir: pathlib.Path):
-    """A copy of the resident kernel whose fold is applied to its products as corrections (no state write)."""
+def ring_kernel(workdir: pathlib.Path, dot: str = "tf32x3"):
+    """A copy of the resident kernel whose fold is applied to its products as corrections (no state write), their
+    products in ``dot`` precision (the fold's own "tf32x3", or one "tf32" pass: a correction is not kept)."""
     source = pathlib.Path(resident_module.__file__).read_text()
     for old, new in PATCHES:
         assert source.count(old) == 1, "the resident kernel's source changed: update the patch"
-        source = source.replace(old, new)
+        source = source.replace(old, new.replace("input_precision=FOLD_DOT", f'input_precision="{dot}"'))
     source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
-    path = workdir / "resident_ring.py"
+    path = workdir / f"resident_ring_{dot}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("resident_ring", path)
+    spec = importlib.util.spec_from_file_location(f"resident_ring_{dot}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.tree_verify_resident_kernel
@@ -107,9 +108,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--dot", default="tf32x3", help="precision of the corrections' products (tf32x3 or tf32)")
     args = parser.parse_args()
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
-    ring = FastLauncher(ring_kernel(pathlib.Path(tempfile.mkdtemp())))
+    ring = FastLauncher(ring_kernel(pathlib.Path(tempfile.mkdtemp()), args.dot))
     shipped = run_module.RESIDENT
     epoch = run_module.commit_epoch
     run_module.commit_epoch = lambda: 7  # one mark for every launch: a pending path stays pending while timed
@@ -126,7 +128,7 @@ def main() -> None:
                     for i, x in enumerate(inputs)]
             pending = [PendingCommit(PendingPaths.between_rounds(tree, accepted, slots[i], slots[i], pool.shape[0]),
                                      prev[i]) for i in range(len(inputs))]
-            row = {"batch": batch, "tree_size": size, "kind": kind, "variant": launch.variant,
+            row = {"batch": batch, "tree_size": size, "kind": kind, "variant": launch.variant, "dot": args.dot,
                    "config": str(launch.config)}
             if launch.variant == "fused":
                 print(f"B={batch} T={size}: the fused kernel runs this bucket; the copy is of the resident kernel")
