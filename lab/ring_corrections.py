@@ -12,7 +12,7 @@ first checks the copy's outputs against the shipped folded launch (the same S').
 buffer of pending tokens, its append and its write-back every R rounds) is not built; the projected round is the
 corrections' verify plus the all-layer commit's share, commit / R.
 
-    python3 lab/ring_corrections.py [--json OUT] [--repeats 30] [--dot tf32x3|tf32]
+    python3 lab/ring_corrections.py [--json OUT] [--repeats 30] [--dot tf32x3|tf32|gram] [--sweep]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tempfile
 import torch
 
 from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.config import KernelConfig
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
 from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import resident as resident_module
@@ -52,9 +53,9 @@ FIRST_FOLD = """            if FOLD:
 FIRST_RING = """            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
             if FOLD:
                 b_kpc = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                                mask=m_p[:, None], other=0).to(tl.float32)
-                b_qp = tl.dot(b_q.to(tl.float32), tl.trans(b_kpc), b_qp, input_precision=FOLD_DOT)
-                b_kp = tl.dot(b_k.to(tl.float32), tl.trans(b_kpc), b_kp, input_precision=FOLD_DOT)
+                                mask=m_p[:, None], other=0).to(LOOP_DTYPE)
+                b_qp = tl.dot(b_q.to(LOOP_DTYPE), tl.trans(b_kpc), b_qp, input_precision=LOOP_DOT)
+                b_kp = tl.dot(b_k.to(LOOP_DTYPE), tl.trans(b_kpc), b_kp, input_precision=LOOP_DOT)
         if FOLD:
             b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
             b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
@@ -76,9 +77,9 @@ SECOND_FOLD = """                if FOLD:
 SECOND_RING = """                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
                 if FOLD:
                     b_kpc = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                                    mask=m_p[:, None], other=0).to(tl.float32)
-                    b_qp = tl.dot(b_q.to(tl.float32), tl.trans(b_kpc), b_qp, input_precision=FOLD_DOT)
-                    b_kp = tl.dot(b_k.to(tl.float32), tl.trans(b_kpc), b_kp, input_precision=FOLD_DOT)
+                                    mask=m_p[:, None], other=0).to(LOOP_DTYPE)
+                    b_qp = tl.dot(b_q.to(LOOP_DTYPE), tl.trans(b_kpc), b_qp, input_precision=LOOP_DOT)
+                    b_kp = tl.dot(b_k.to(LOOP_DTYPE), tl.trans(b_kpc), b_kp, input_precision=LOOP_DOT)
             if FOLD:
                 b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
                 b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
@@ -87,13 +88,23 @@ PATCHES = [(FIRST_INIT, FIRST_INIT_RING), (FIRST_FOLD, FIRST_RING), (SECOND_INIT
            (SECOND_FOLD, SECOND_RING)]
 
 
+DOTS = {  # --dot: (operand type of the key steps' products, their precision, the final products' precision)
+    "tf32x3": ("tl.float32", '"tf32x3"', '"tf32x3"'),
+    "tf32": ("tl.float32", '"tf32"', '"tf32"'),
+    "gram": ("GRAM_DTYPE", '"tf32"', '"tf32"'),  # q, k and the pending keys as the Gram products take them (bf16)
+}
+
+
 def ring_kernel(workdir: pathlib.Path, dot: str = "tf32x3"):
     """A copy of the resident kernel whose fold is applied to its products as corrections (no state write), their
-    products in ``dot`` precision (the fold's own "tf32x3", or one "tf32" pass: a correction is not kept)."""
+    products as `DOTS` names them (the fold's own "tf32x3"; one "tf32" pass, a correction being not kept; or the key
+    steps' products on the inputs' 16-bit operands as the Gram products are)."""
+    loop_dtype, loop_dot, final_dot = DOTS[dot]
     source = pathlib.Path(resident_module.__file__).read_text()
     for old, new in PATCHES:
         assert source.count(old) == 1, "the resident kernel's source changed: update the patch"
-        source = source.replace(old, new.replace("input_precision=FOLD_DOT", f'input_precision="{dot}"'))
+        new = new.replace("LOOP_DTYPE", loop_dtype).replace("input_precision=LOOP_DOT", f"input_precision={loop_dot}")
+        source = source.replace(old, new.replace("input_precision=FOLD_DOT", f"input_precision={final_dot}"))
     source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
     path = workdir / f"resident_ring_{dot}.py"
     path.write_text(source)
@@ -108,7 +119,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--dot", default="tf32x3", help="precision of the corrections' products (tf32x3 or tf32)")
+    parser.add_argument("--dot", default="tf32x3", choices=sorted(DOTS),
+                        help="the corrections' products (DOTS)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the corrections at other stream tiles (B >= 16 chains: b_k 32/64, 2/4/8 warps)")
     args = parser.parse_args()
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
     ring = FastLauncher(ring_kernel(pathlib.Path(tempfile.mkdtemp()), args.dot))
@@ -164,11 +178,29 @@ def main() -> None:
             row["folded"] = timed(True, shipped)
             row["ring_corrections"] = timed(True, ring)
             pool.copy_(before)
+            if args.sweep and batch >= 16 and kind == "chain":
+                row["sweep"] = []
+                tuned = launch
+                for b_k, b_v, warps in [(bk, 128, w) for bk in (32, 64) for w in (2, 4, 8)]:
+                    launch = bench.launch(config=KernelConfig(b_k, b_v, warps, 3), variant="stream")
+                    try:
+                        entry = {"config": str(launch.config), "ring_corrections": timed(True, ring)}
+                    except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                        entry = {"config": str(launch.config), "status": f"{type(e).__name__}: {str(e)[:160]}"}
+                    pool.copy_(before)
+                    row["sweep"].append(entry)
+                    print("   ", " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in entry.items()), flush=True)
+                launch = tuned
+                best = min((e for e in row["sweep"] if "ring_corrections" in e), key=lambda e: e["ring_corrections"])
+                row["ring_corrections_best"], row["ring_best_config"] = best["ring_corrections"], best["config"]
             rounds = bench.time_rounds(args.layers, args.repeats)
             row["tree_commit_layers"] = rounds["tree_commit_layers"].p50_us
+            ring_us = row.get("ring_corrections_best", row["ring_corrections"])
             for r in (4, 8):
-                row[f"projected_ring_round_R{r}"] = row["ring_corrections"] + row["tree_commit_layers"] / r
-            print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+                row[f"projected_ring_round_R{r}"] = ring_us + row["tree_commit_layers"] / r
+            print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                           if k != "sweep"), flush=True)
             rows.append(row)
             del bench, tree, pool, inputs, prev, outs, pending
             torch.cuda.empty_cache()
