@@ -5,6 +5,7 @@ the error. File, environment and command-line cases check that the database file
 unchanged.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -75,6 +76,11 @@ VERIFY_CASES = {
                       "names a slot twice"),
     "state-strided": (lambda t, x: replace(x, state=x.state.transpose(2, 3)), ValueError,
                       "last \\(dk\\) dimension must be contiguous"),
+    # the kernels read the slots as a row: a strided view was read wrongly before (silently)
+    "slots-strided": (lambda t, x: replace(x, state_indices=torch.tensor([1, 9, 3, 9], dtype=torch.int32)[::2]),
+                      ValueError, "state_indices: must be contiguous"),
+    "scale-nan": (lambda t, x: dict(replace(x), scale=float("nan")), ValueError, "scale: expected a positive"),
+    "scale-bool": (lambda t, x: dict(replace(x), scale=True), ValueError, "scale: expected a positive"),
 }
 
 
@@ -91,6 +97,25 @@ def test_tree_verify_refuses(batch, case):
     with pytest.raises(error, match=message):
         tree_verify(tree=tree, validate=True if case in VALUE_CASES else None, **args)
     assert torch.equal(x.state, before)
+
+
+def test_the_quick_checks_accept_exactly_what_the_named_checks_accept(batch):
+    """The checks run first as one chain of comparisons (`_verify_shape`); it must refuse every input the one-by-one
+    checks refuse (else a bad input would pass unnamed) and give their shape for a good one."""
+    from bole_tune.kernels.verify.checks import _explained_verify_shape, _verify_shape
+
+    tree, x = batch
+    for case, (make, _, _) in VERIFY_CASES.items():
+        if case in VALUE_CASES:
+            continue
+        args = make(tree, x)
+        args.setdefault("scale", None)
+        assert _verify_shape(tree=tree, **args) is None, f"{case}: the quick checks let it through"
+    for scale in (None, 0.5, 2):
+        good = dict(replace(x), scale=scale)
+        assert _verify_shape(tree=tree, **good) in (None, _explained_verify_shape(tree=tree, **good))
+    assert _verify_shape(tree=tree, **replace(x), scale=None) == _explained_verify_shape(tree=tree, **replace(x),
+                                                                                           scale=None)
 
 
 @pytest.mark.parametrize("case", ["g-nan", "slot-repeated"])
@@ -153,6 +178,21 @@ def test_tree_batch_refuses(case):
         TreeBatch.from_parents(parents)
 
 
+@pytest.mark.parametrize("field, change, error, message", [
+    ("offsets", lambda x: x.long(), TypeError, "TreeBatch.offsets: expected a contiguous int32 tensor"),
+    ("dfs_exit", lambda x: torch.stack([x, x], 1)[:, 0], TypeError, "TreeBatch.dfs_exit: expected a contiguous int32"),
+    ("node_depth", lambda x: x.to("meta"), ValueError, "TreeBatch.node_depth: on meta but offsets are on cpu"),
+])
+def test_a_hand_built_tree_batch_is_checked(field, change, error, message):
+    """The kernels take a tree's tensors as int32 rows on the inputs' device (and a launch is keyed on that):
+    a `TreeBatch` built by hand is checked when it is made."""
+    tree = TreeBatch.from_parents([[-1, 0, 0], [-1, 0]])
+    fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree) if f.name != "_cache"}
+    fields[field] = change(fields[field])
+    with pytest.raises(error, match=message):
+        TreeBatch(**fields)
+
+
 COMMIT_CASES = {
     "accepted-out-of-range": (lambda t, x, r: dict(accepted=torch.tensor([5, 0])), ValueError,
                               "accepted\\[0\\]=5 is out of range for request 0 with 5 nodes"),
@@ -163,6 +203,10 @@ COMMIT_CASES = {
     "state-shape": (lambda t, x, r: dict(state=x.state[:, :2]), ValueError, "state: expected shape"),
     "slots-repeated": (lambda t, x, r: dict(state_indices=torch.tensor([1, 1], dtype=torch.int32)), ValueError,
                        "names a slot twice"),
+    "accepted-strided": (lambda t, x, r: dict(accepted=torch.tensor([0, 7, 1, 7])[::2]), ValueError,
+                         "accepted: must be contiguous"),
+    "res-field-device": (lambda t, x, r: dict(res=dataclasses.replace(r, k_scale=r.k_scale.to("meta"))), ValueError,
+                         "res.k_scale: on device meta"),
 }
 
 
@@ -178,6 +222,20 @@ def test_tree_commit_refuses(batch, case):
         tree_commit(validate=True if case in ("accepted-out-of-range", "accepted-below-minus-1", "slots-repeated")
                     else None, **args)
     assert torch.equal(x.state, before), "a refused commit wrote the state pool"
+
+
+def test_the_commit_s_quick_checks_refuse_what_its_named_checks_refuse(batch):
+    from bole_tune.kernels.verify.checks import _commit_inputs_hold
+
+    tree, x = batch
+    res = tree_verify(*x.args(tree))
+    good = {"state": x.state, "state_indices": x.state_indices, "result": res, "accepted": torch.tensor([0, 1])}
+    assert _commit_inputs_hold(**good)
+    for case, (make, _, _) in COMMIT_CASES.items():
+        if case in ("accepted-out-of-range", "accepted-below-minus-1", "slots-repeated"):  # values: on the device
+            continue
+        args = dict(good, **{("result" if k == "res" else k): v for k, v in make(tree, x, res).items()})
+        assert not _commit_inputs_hold(**args), f"{case}: the quick checks let it through"
 
 
 @pytest.mark.parametrize("path", ["kernel", "fallback"])

@@ -1,6 +1,7 @@
 """The commit folded into the next verify: over several rounds, with requests joining and leaving, every
 output and the final pool equal the float64 node-by-node recurrence run round after round."""
 
+import dataclasses
 import random
 
 import pytest
@@ -98,6 +99,15 @@ def test_pending_mistakes_are_refused(device):
     wide = PendingPaths(tree, paths.accepted, paths.request_map, paths.path_rows.long())
     with pytest.raises(TypeError, match="pending.paths.path_rows: expected a contiguous int32"):
         tree_verify(*x.args(tree), pending=PendingCommit(wide, res))
+    # every field a fold reads is checked (the launch passes the tensors to the GPU as bare addresses)
+    with pytest.raises(TypeError, match="pending.result.log_decay: dtype torch.float64"):
+        tree_verify(*x.args(tree), pending=PendingCommit(paths, dataclasses.replace(res, log_decay=res.log_decay.double())))
+    with pytest.raises(ValueError, match="pending.result.k: on device meta"):
+        tree_verify(*x.args(tree), pending=PendingCommit(paths, dataclasses.replace(res, k=res.k.to("meta"))))
+    strided = PendingPaths(tree, paths.accepted, torch.stack([paths.request_map, paths.request_map], 1)[:, 0],
+                           paths.path_rows)
+    with pytest.raises(ValueError, match="pending.paths.request_map: must be contiguous"):
+        tree_verify(*x.args(tree), pending=PendingCommit(strided, res))
 
 
 @pytest.mark.parametrize("how", ["kernel", "torch"])

@@ -148,6 +148,45 @@ def test_no_check_inside_a_graph_capture_runs_fused_unchecked(monkeypatch):
     assert launch.variant == "fused" and "capture" in launch.fallback and not calls and not planner.checks
 
 
+def test_plans_are_remembered_per_arguments_until_forgotten(monkeypatch):
+    """`Planner.plan` asks its config source once per arguments; `clear`, `forget_plans` (what the database
+    layer's `lookup.clear_cache` calls), a new policy or a new config source make it plan again, and a capture's
+    stand-in (a launch not yet checked) is never remembered."""
+    from bole_tune import lookup
+    from bole_tune.kernels.verify.planner import forget_plans
+
+    asked = []
+
+    def source(heads, dtype, max_tree_size, num_requests, device):
+        asked.append((max_tree_size, num_requests))
+        return CONFIG, "resident"
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    planner = Planner(config_source=source, self_check=lambda *a: (0.0, 1.0))
+    first = plan(planner, device=GPU)
+    assert plan(planner, device=GPU) is first and asked == [(20, 2)]
+    plan(planner, device=GPU, num_requests=3)  # another batch: asked
+    assert len(asked) == 2
+    planner.clear()
+    plan(planner, device=GPU)
+    forget_plans()
+    plan(planner, device=GPU)
+    lookup.clear_cache()
+    plan(planner, device=GPU)
+    planner.policy = dataclasses.replace(H200_POLICY, stream_max_tree=8)
+    plan(planner, device=GPU)
+    assert len(asked) == 6
+    planner._config_source = lambda *a: (KernelConfig(32, 16, 4, 1), "resident")
+    assert plan(planner, device=GPU).config == KernelConfig(32, 16, 4, 1)
+    with pytest.raises(TypeError, match="config: expected a KernelConfig"):  # unhashable: planned, and refused
+        plan(planner, device=GPU, config={"b_k": 16})
+    capturing = Planner(config_source=source, self_check=lambda *a: (0.0, 1.0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert "capture" in plan(capturing, device=GPU).fallback
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert plan(capturing, device=GPU).variant == "resident"  # checked now that it can be
+
+
 def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
     tree = make_tree([20, 9], "random", seed=13, device=device)
     x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=13)
