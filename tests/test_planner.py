@@ -187,6 +187,20 @@ def test_plans_are_remembered_per_arguments_until_forgotten(monkeypatch):
     assert plan(capturing, device=GPU).variant == "resident"  # checked now that it can be
 
 
+def test_a_given_launch_is_checked_once_per_batch_shape(monkeypatch):
+    checks = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    planner = Planner(self_check=lambda *a: checks.append(a) or (0.0, 1.0))
+    launch = Launch("resident", CONFIG, 32, v_split=2)
+    args = (HEADS, BF16, torch.float32, 20, 5, 0.25, True, GPU)
+    assert planner.given(launch, *args) is planner.given(launch, *args) and len(checks) == 1
+    with pytest.raises(ValueError, match="launch.node_block"):  # another batch: checked against it
+        planner.given(launch, HEADS, BF16, torch.float32, 40, 5, 0.25, True, GPU)
+    planner.clear()
+    planner.given(launch, *args)
+    assert len(checks) == 2
+
+
 def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
     tree = make_tree([20, 9], "random", seed=13, device=device)
     x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=13)
@@ -205,8 +219,9 @@ def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
         ("resident", "launch: expected a Launch"),
     ]
     for bad, message in refusals:
-        with pytest.raises((ValueError, TypeError), match=message):
-            tree_verify(*x.args(tree), launch=bad)
+        for _ in range(2):  # a refused launch is never remembered: refused again
+            with pytest.raises((ValueError, TypeError), match=message):
+                tree_verify(*x.args(tree), launch=bad)
     with pytest.raises(ValueError, match="either a launch or config"):
         tree_verify(*x.args(tree), launch=launch, config=CONFIG)
     deep = make_tree([14], "chain", device=device)

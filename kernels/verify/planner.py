@@ -212,28 +212,19 @@ class Planner:
         answer (cached there per bucket) and the self-check's (cached per specialisation), so a call seen before
         costs one dictionary access. Forgotten by `clear`, by `forget_plans` (the database layer's
         ``clear_cache``), and when the policy or the config source is replaced."""
-        made_with = (_generation[0], self.policy, self._config_source, self.self_check)
-        if made_with != self._plans_made_with:
-            self._plans.clear()
-            self._plans_made_with = made_with
         key = (heads, dtype, num_requests, max_tree_size, depth, device, config, variant, v_split, tuned_on, scale,
                use_qk_l2norm, gate_dtype, check, fold)
         try:
-            launch = self._plans.get(key)
+            launch = self._remembered().get(key)
         except TypeError:  # an unhashable argument: planned (and refused) without the table
-            return self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
-                              device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
-                              scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
-                              fold=fold)
+            launch, key = None, None
         if launch is None:
             launch = self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
                                 device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
                                 scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
                                 fold=fold)
-            if not launch.fallback.startswith("not checked"):  # a capture's stand-in is planned again after it
-                if len(self._plans) >= 4096:
-                    self._plans.clear()
-                self._plans[key] = launch
+            if key is not None:
+                self._remember(key, launch)
         return launch
 
     def _plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
@@ -296,6 +287,39 @@ class Planner:
             return launch
         return self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
                             deep=depth > self.policy.sweep_f16_max_depth)
+
+    def given(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, gate_dtype: torch.dtype, max_tree_size: int,
+              depth: int, scale: float, use_qk_l2norm: bool, device) -> Launch:
+        """A launch given to `tree_verify` (``launch=``): refused by `check_launch` if it cannot run this batch, else
+        `checked`; remembered per arguments like `plan` (a refused one is never remembered)."""
+        key = ("given", launch, heads, dtype, gate_dtype, max_tree_size, depth, scale, use_qk_l2norm, device)
+        try:
+            kept = self._remembered().get(key)
+        except TypeError:  # not a Launch (unhashable): refused by name below
+            kept, key = None, None
+        if kept is not None:
+            return kept
+        self.check_launch(launch, heads, dtype, max_tree_size, depth, scale, use_qk_l2norm)
+        checked = self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
+                               depth > self.policy.sweep_f16_max_depth)
+        if key is not None:
+            self._remember(key, checked)
+        return checked
+
+    def _remembered(self) -> dict:
+        """The remembered launches, emptied first if what they were made with changed."""
+        made_with = (_generation[0], self.policy, self._config_source, self.self_check)
+        if made_with != self._plans_made_with:
+            self._plans.clear()
+            self._plans_made_with = made_with
+        return self._plans
+
+    def _remember(self, key: tuple, launch: Launch) -> None:
+        if launch.fallback.startswith("not checked"):  # a capture's stand-in is planned again after it
+            return
+        if len(self._plans) >= 4096:  # a process whose shapes keep changing keeps a bounded table
+            self._plans.clear()
+        self._plans[key] = launch
 
     def check_launch(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, max_tree_size: int, depth: int,
                      scale: float, use_qk_l2norm: bool) -> None:

@@ -74,10 +74,8 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     else:
         if (config, variant, v_split) != (None, None, None):
             raise ValueError("launch: give either a launch or config/variant/v_split, not both")
-        PLANNER.check_launch(launch, shape.heads, q.dtype, tree.max_tree_size, tree.depth, shape.scale,
-                             use_qk_l2norm)
-        launch = PLANNER.checked(launch, shape.heads, q.dtype, g.dtype, shape.scale, use_qk_l2norm, q.device,
-                                 tree.depth > PLANNER.policy.sweep_f16_max_depth)
+        launch = PLANNER.given(launch, shape.heads, q.dtype, g.dtype, tree.max_tree_size, tree.depth, shape.scale,
+                               use_qk_l2norm, q.device)
     if not use_triton(q.device):
         if pending is not None:
             commit_pending_closed_form(state, state_indices, pending)
