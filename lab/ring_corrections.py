@@ -22,6 +22,7 @@ import importlib.util
 import json
 import pathlib
 import tempfile
+import textwrap
 
 import torch
 
@@ -60,30 +61,14 @@ FIRST_RING = """            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_k
             b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
             b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
         b_w, b_m, a_q, a_k = head_factors("""
-# the factors-first order: value tiles outside, key steps inside
-SECOND_INIT = """            if FOLD:
-                b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
-            for i_k in range(0, D_K, B_K):"""
-SECOND_INIT_RING = """            b_qp = tl.zeros([B_T, B_P], dtype=tl.float32)
-            b_kp = tl.zeros([B_T, B_P], dtype=tl.float32)
-            if FOLD:
-                b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
-            for i_k in range(0, D_K, B_K):"""
-SECOND_FOLD = """                if FOLD:
-                    b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
-                    tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
-                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-            readout("""
-SECOND_RING = """                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-                if FOLD:
-                    b_kpc = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                                    mask=m_p[:, None], other=0).to(LOOP_DTYPE)
-                    b_qp = tl.dot(b_q.to(LOOP_DTYPE), tl.trans(b_kpc), b_qp, input_precision=LOOP_DOT)
-                    b_kp = tl.dot(b_k.to(LOOP_DTYPE), tl.trans(b_kpc), b_kp, input_precision=LOOP_DOT)
-            if FOLD:
-                b_qs = decay_p * b_qs + tl.dot(b_qp, tl.trans(b_upw), input_precision=FOLD_DOT)
-                b_ks = decay_p * b_ks + tl.dot(b_kp, tl.trans(b_upw), input_precision=FOLD_DOT)
-            readout("""
+# the factors-first order (value tiles outside, key steps inside): the same lines, one level deeper, ending in the
+# value tile's readout
+def _deeper(text: str, last: str) -> str:
+    return textwrap.indent(text.rsplit("\n", 1)[0], "    ") + "\n" + last
+
+
+SECOND_INIT, SECOND_INIT_RING = (_deeper(t, "            for i_k in range(0, D_K, B_K):") for t in (FIRST_INIT, FIRST_INIT_RING))
+SECOND_FOLD, SECOND_RING = (_deeper(t, "            readout(") for t in (FIRST_FOLD, FIRST_RING))
 PATCHES = [(FIRST_INIT, FIRST_INIT_RING), (FIRST_FOLD, FIRST_RING), (SECOND_INIT, SECOND_INIT_RING),
            (SECOND_FOLD, SECOND_RING)]
 

@@ -71,14 +71,14 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     pointers = tuple(map(_data_ptr, tensors))
     bits = reduce(or_, pointers)
     gs, bs, ss = g.stride(), beta.stride(), state.stride()
-    scalars = (shape.scale, *blocks, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1],
-               ss[0], ss[1], ss[2])
+    sizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1], ss[0], ss[1], ss[2])
+    scalars = (shape.scale, *blocks, *sizes)
     if pending is None:
         fast_args = (*pointers, *_NO_FOLD, *scalars)
     else:
         fast_args = (*pointers, fold[7], *scalars)
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, *scalars[-15:])
+                                  state_indices.dtype, use_qk_l2norm, fold_key, *sizes)
 
     def args() -> tuple:
         return (*tensors[:17], *fold, *scalars)
