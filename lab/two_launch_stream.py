@@ -25,9 +25,12 @@ from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
 
-CASES = [(16, 4, "chain", True), (32, 8, "chain", True), (16, 16, "random", True), (16, 8, "random", False),
-         (32, 16, "random", False), (64, 4, "chain", False)]
-SWEEP = [KernelConfig(b_k, b_v, w, 2) for b_v in (16, 32, 64) for b_k in (64, 128) for w in (2, 4)]
+CASES = [(16, 4, "chain", True), (32, 8, "chain", True), (16, 8, "random", True), (32, 4, "chain", False),
+         (64, 4, "chain", False), (16, 16, "random", False)]
+SWEEP = [KernelConfig(b_k, b_v, w, 2) for b_v, b_k in ((16, 32), (16, 64), (16, 128), (32, 16), (32, 32), (32, 64),
+                                                        (64, 32)) for w in (1, 2, 4)]
+MODES = {"one launch": (False, 8), "two launches, tensor cores": (True, 0), "two launches, FMAs": (True, 8)}
+"""The ways a "stream" launch runs: (run.TWO_LAUNCH_STREAM, run.CHAIN_MAX_NODES)."""
 
 
 def main() -> None:
@@ -40,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     heads, device, cases, sweeps = HeadShape(hk=16, hv=32, dk=128, dv=128), "cuda", CASES, SWEEP
     if args.smoke:
-        heads, device, cases, sweeps = HeadShape(hk=2, hv=4, dk=32, dv=32), "cpu", [(2, 4, "chain", True)], SWEEP[:1]
+        heads, device, cases, sweeps = HeadShape(hk=2, hv=4, dk=32, dv=32), "cpu", [(2, 4, "chain", True)], SWEEP[3:5]
         args.repeats, args.layers = 1, 2
     epoch = run_module.commit_epoch
     rows = []
@@ -58,10 +61,10 @@ def main() -> None:
                                  prev[i]) for i in range(len(inputs))]
         before = pool.clone()
 
-        def measure(launch, two: bool) -> dict:
-            run_module.TWO_LAUNCH_STREAM = two
+        def measure(launch, mode: str) -> dict:
+            run_module.TWO_LAUNCH_STREAM, run_module.CHAIN_MAX_NODES = MODES[mode]
             try:
-                entry = {"config": str(launch.config), "variant": launch.variant, "two_launches": two}
+                entry = {"config": str(launch.config), "variant": launch.variant, "mode": mode}
                 entry["error"] = bench.error(tree_verify, launch)
                 entry["fold_error"], entry["fold_state_error"] = bench.fold_errors(launch)
 
@@ -85,7 +88,7 @@ def main() -> None:
                 entry["status"] = f"{type(e).__name__}: {str(e)[:200]}"
                 pool.copy_(before)
             finally:
-                run_module.TWO_LAUNCH_STREAM = True
+                run_module.TWO_LAUNCH_STREAM, run_module.CHAIN_MAX_NODES = MODES["two launches, FMAs"]
             print("   ", " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()),
                   flush=True)
             return entry
@@ -97,16 +100,16 @@ def main() -> None:
         stream = [tuned.replace(variant="stream", v_split=heads.dv // tuned.config.b_v)]
         if tuned_fold.config != tuned.config:
             stream.append(tuned_fold.replace(variant="stream", v_split=heads.dv // tuned_fold.config.b_v))
-        for launch in stream:  # the tuned tiles, one launch (state-first) and two
-            row["runs"].append(measure(launch, False))
-            row["runs"].append(measure(launch, True))
+        for launch in stream:  # the tuned tiles, each way
+            for mode in MODES:
+                row["runs"].append(measure(launch, mode))
         if sweep and not args.no_sweep:
             for config in sweeps:
                 if not config.fits(heads.dk, heads.dv):
                     continue
                 launch = bench.launch(config=config, variant="stream")
-                row["runs"].append(measure(launch, True))
-        ok = [r for r in row["runs"] if r["two_launches"] and "verify" in r]
+                row["runs"].append(measure(launch, "two launches, FMAs" if size <= 8 else "two launches, tensor cores"))
+        ok = [r for r in row["runs"] if r["mode"] != "one launch" and "verify" in r]
         if ok:
             row["best_verify"] = min(ok, key=lambda r: r["verify"])
             row["best_folded"] = min(ok, key=lambda r: r["folded"])
@@ -118,21 +121,22 @@ def main() -> None:
         del bench, tree, pool, inputs, prev, outs, pending, before
         if device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| case | tuned: 1 launch verify / folded | tuned: 2 launches verify / folded | best 2-launch verify | "
-          "best 2-launch folded | all-layer commit |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        one = next((r for r in row["runs"] if not r["two_launches"] and "verify" in r), {})
-        two = next((r for r in row["runs"] if r["two_launches"] and "verify" in r), {})
-        bv, bf = row.get("best_verify", {}), row.get("best_folded", {})
-        print(f"| B={row['batch']} T={row['tree_size']} {row['kind']} | {one.get('verify', float('nan')):.1f} / "
-              f"{one.get('folded', float('nan')):.1f} | {two.get('verify', float('nan')):.1f} / "
-              f"{two.get('folded', float('nan')):.1f} | {bv.get('verify', float('nan')):.1f} ({bv.get('config')}) | "
-              f"{bf.get('folded', float('nan')):.1f} ({bf.get('config')}) | "
-              f"{row['rounds'].get('tree_commit_layers', float('nan')):.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    nan = float("nan")
+    print("\n| case | tuned tiles, verify / folded: " + " | ".join(MODES) + " | best 2-launch verify | "
+          "best 2-launch folded | all-layer commit |")
+    print("|---|" + "---|" * (len(MODES) + 3))
+    for row in rows:
+        cells = []
+        for mode in MODES:
+            run = next((r for r in row["runs"] if r["mode"] == mode and "verify" in r), {})
+            cells.append(f"{run.get('verify', nan):.1f} / {run.get('folded', nan):.1f}")
+        bv, bf = row.get("best_verify", {}), row.get("best_folded", {})
+        print(f"| B={row['batch']} T={row['tree_size']} {row['kind']} | " + " | ".join(cells) + " | "
+              f"{bv.get('verify', nan):.1f} ({bv.get('config')}) | "
+              f"{bf.get('folded', nan):.1f} ({bf.get('config')}) | {row['rounds'].get('tree_commit_layers', nan):.1f} |")
 
 
 if __name__ == "__main__":

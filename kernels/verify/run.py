@@ -14,7 +14,7 @@ from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
-from .stream import head_factors_kernel, tree_verify_stream_kernel
+from .stream import head_factors_kernel, tree_verify_chain_kernel, tree_verify_stream_kernel
 
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
@@ -22,6 +22,10 @@ RESIDENT = FastLauncher(tree_verify_resident_kernel)
 FUSED = FastLauncher(tree_verify_fused_kernel)
 FACTORS = FastLauncher(head_factors_kernel)
 STREAM = FastLauncher(tree_verify_stream_kernel)
+CHAIN = FastLauncher(tree_verify_chain_kernel)
+CHAIN_MAX_NODES = 8
+"""Trees of at most this many nodes stream on fp32 FMAs (`stream.tree_verify_chain_kernel`) in the two-launch
+"stream" variant."""
 TWO_LAUNCH_STREAM = True
 """The "stream" variant as two launches (`stream.py`: the heads' factors, then the state streamed by one program per
 value tile); False runs it as the resident kernel's state-first order (``STATE_FIRST``), one launch."""
@@ -148,7 +152,11 @@ def _run_stream(launch: Launch, q, k, v, sq, sk, sv, g, beta, state, state_indic
         tensors += fold[:7]
     pointers = tuple(map(_data_ptr, tensors))
     sizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], ss[0], ss[1], ss[2])
-    key = None if reduce(or_, pointers) & 15 else (*common, state_indices.dtype, fold_key, *sizes)
+    rows = _pow2(tree.max_tree_size)
+    fma = rows <= CHAIN_MAX_NODES
+    if fma and pending is not None:
+        fold_key += (_pow2(pending.paths.tree.depth + 1),)
+    key = None if reduce(or_, pointers) & 15 else (*common, state_indices.dtype, fold_key, fma, rows, *sizes)
     fast_args = (*pointers, *_NO_FOLD, *sizes) if pending is None else (*pointers, fold[7], *sizes)
 
     def args() -> tuple:
@@ -160,8 +168,20 @@ def _run_stream(launch: Launch, q, k, v, sq, sk, sv, g, beta, state, state_indic
                     DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q), STATE_SPLIT=launch.state_split,
                     num_warps=config.num_warps, num_stages=config.num_stages)
 
-    STREAM.launch_keyed(key, (h.dv // config.b_v, h.hv, b), fast_args, args, meta)
+    def chain_meta() -> dict:
+        extra = dict(FOLD=False) if pending is None else dict(
+            FOLD=True, B_P=width, N_P=min(width, _pow2(pending.paths.tree.depth + 1)))
+        return dict(D_K=h.dk, D_V=h.dv, B_T=block, T_P=rows, B_K=config.b_k, B_V=config.b_v, **extra,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+
+    (CHAIN if fma else STREAM).launch_keyed(key, (h.dv // config.b_v, h.hv, b), fast_args, args,
+                                            chain_meta if fma else meta)
     return res
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 2)."""
+    return max(2, 1 << (int(n) - 1).bit_length())
 
 
 def _last_contiguous(x):

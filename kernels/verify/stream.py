@@ -110,7 +110,7 @@ def tree_verify_stream_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P)
+            H_V, H_K, B_P, B_P)
         b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
     b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
     b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
@@ -131,3 +131,66 @@ def tree_verify_stream_kernel(
     a_k = tl.load(p_f + 2 * B_T * B_T + B_T + o_i)
     readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
             H_V, D_V, DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["H_V", "H_K", "epoch"])
+def tree_verify_chain_kernel(
+    q_ptr, k_ptr, v_ptr, state_ptr, state_indices_ptr, offsets_ptr, factors_ptr,
+    o_ptr, u_ptr,
+    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+    H_V, H_K,
+    stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+    stride_s_slot, stride_s_h, stride_s_v,
+    D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, T_P: tl.constexpr, B_K: tl.constexpr,
+    B_V: tl.constexpr, FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, N_P: tl.constexpr = 16,
+):
+    """`tree_verify_stream_kernel` for trees of at most ``T_P`` (<= 8) nodes: every product on fp32 FMAs over the
+    tree's ``T_P`` rows (tensor cores would pad them to 16), the fold's over the ``N_P`` rows a pending path can
+    have (its tree's depth + 1). The factors come from `head_factors_kernel` (``B_T``-row blocks, read ``T_P``)."""
+    i_v = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_r = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // (H_V // H_K)
+    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    o_i = tl.arange(0, T_P)
+    m_i = o_i < num_nodes
+    rows = bos + o_i
+    o_v = i_v * B_V + tl.arange(0, B_V)
+    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    if FOLD:
+        rows_p, m_p, weight_p, decay_p, pending = pending_path(
+            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+            H_V, H_K, B_P, N_P)
+        b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+    b_qs = tl.zeros([T_P, B_V], dtype=tl.float32)
+    b_ks = tl.zeros([T_P, B_V], dtype=tl.float32)
+    for i_k in range(0, D_K, B_K):
+        o_k = i_k + tl.arange(0, B_K)
+        b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+        b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :], mask=m_i[:, None],
+                      other=0).to(tl.float32)
+        b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :], mask=m_i[:, None],
+                      other=0).to(tl.float32)
+        if FOLD:
+            b_kp = tl.load(fold_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
+                           other=0).to(tl.float32)
+            b_s = decay_p * b_s + tl.sum(b_upw[:, :, None] * b_kp[None, :, :], axis=1)
+            tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+        b_qs += tl.sum(b_q[:, None, :] * b_s[None, :, :], axis=2)
+        b_ks += tl.sum(b_k[:, None, :] * b_s[None, :, :], axis=2)
+    p_f = factors_ptr + factor_offsets(i_r, i_h, H_V, B_T)
+    square = o_i[:, None] * B_T + o_i[None, :]
+    b_w = tl.load(p_f + square)
+    b_m = tl.load(p_f + B_T * B_T + square)
+    a_q = tl.load(p_f + 2 * B_T * B_T + o_i)
+    a_k = tl.load(p_f + 2 * B_T * B_T + B_T + o_i)
+    b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :], mask=m_i[:, None],
+                  other=0).to(tl.float32)
+    b_r = b_v - a_k[:, None] * b_ks
+    b_u = tl.sum(b_w[:, :, None] * b_r[None, :, :], axis=1)
+    b_o = a_q[:, None] * b_qs + tl.sum(b_m[:, :, None] * b_r[None, :, :], axis=1)
+    tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
+    tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
+             mask=m_i[:, None])
