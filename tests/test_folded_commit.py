@@ -26,10 +26,6 @@ CASES = {
     # b_k = dk = 32), and in key steps of 16 over two programs per head
     "stream-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
     "stream-key-steps-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random", KernelConfig(16, 16, 4, 1)),
-    # trees of at most 8 nodes: the stream's products on fp32 FMAs (`stream.tree_verify_chain_kernel`), paths folded
-    # from rounds of other depths (N_P rows of the pending path)
-    "stream-fma-fp32-chains": ("stream", F32, [[4, 4, 4], [8, 3], [2, 6, 2], [1, 1]], "chain", KernelConfig(16, 16, 2, 1)),
-    "stream-fma-bf16-trees": ("stream", BF16, [[5, 8], [3, 7, 2], [8, 8, 1]], "random"),
 }
 
 

@@ -139,18 +139,17 @@ def path_factors(accepted, bos, i_p, i_h, i_hk, enter_ptr, exit_ptr, depth_ptr, 
 
 @triton.jit
 def pending_path(i_r, i_h, i_hk, map_ptr, path_rows_ptr, logp_ptr, k_scale_ptr, committed_ptr, epoch, H_V, H_K,
-                 B_P: tl.constexpr, N_P: tl.constexpr):
+                 B_P: tl.constexpr):
     """The previous round's accepted path of request ``i_r``'s slot, to fold into its state before this round
     reads it: ``map_ptr[i_r]`` is the previous round's request of that slot (-1: nothing pending) and
     ``path_rows_ptr`` the ``[B, B_P]`` table of its path's packed rows by depth (`PendingPaths.path_rows`, -1
     past the accepted node). Returns (rows, mask, weights ``exp(logP_a - logP_j) * k_scale_j``, decay ``P_a``,
     pending); a request with nothing pending (or a path an earlier launch committed: its mark in
     ``committed_ptr`` is neither 0 nor this launch's ``epoch``) gets weights 0 and decay 1, an exact no-op;
-    the others are marked committed with ``epoch``. Two dependent loads: the path, then its factors. The table's
-    rows are ``B_P`` wide; the first ``N_P`` entries are read (``N_P >= 1 +`` the previous tree's depth)."""
+    the others are marked committed with ``epoch``. Two dependent loads: the path, then its factors."""
     prev = tl.load(map_ptr + i_r).to(tl.int64)
     prev_safe = tl.maximum(prev, 0)
-    rows = tl.load(path_rows_ptr + i_r * B_P + tl.arange(0, N_P)).to(tl.int64)
+    rows = tl.load(path_rows_ptr + i_r * B_P + tl.arange(0, B_P)).to(tl.int64)
     mark = tl.load(committed_ptr + prev_safe)
     m_p = rows >= 0
     row_a = tl.max(rows, axis=0)  # the accepted node: a path's rows grow with depth (parents come first)

@@ -65,7 +65,7 @@ def tree_verify_fused_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P, B_P)
+            H_V, H_K, B_P)
         b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):

@@ -89,7 +89,7 @@ def tree_verify_resident_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_path(
             i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P, B_P)
+            H_V, H_K, B_P)
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)

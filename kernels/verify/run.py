@@ -14,21 +14,11 @@ from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
-from .stream import head_factors_kernel, tree_verify_chain_kernel, tree_verify_stream_kernel
 
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
 
 RESIDENT = FastLauncher(tree_verify_resident_kernel)
 FUSED = FastLauncher(tree_verify_fused_kernel)
-FACTORS = FastLauncher(head_factors_kernel)
-STREAM = FastLauncher(tree_verify_stream_kernel)
-CHAIN = FastLauncher(tree_verify_chain_kernel)
-CHAIN_MAX_NODES = 8
-"""Trees of at most this many nodes stream on fp32 FMAs (`stream.tree_verify_chain_kernel`) in the two-launch
-"stream" variant."""
-TWO_LAUNCH_STREAM = True
-"""The "stream" variant as two launches (`stream.py`: the heads' factors, then the state streamed by one program per
-value tile); False runs it as the resident kernel's state-first order (``STATE_FIRST``), one launch."""
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -60,9 +50,6 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     if sv[2] != 1:
         v, sv = _last_contiguous(v)
     block_depth, max_blocks = tree.block_depths(launch.node_block)
-    if launch.variant == "stream" and TWO_LAUNCH_STREAM:
-        return _run_stream(launch, q, k, v, sq, sk, sv, g, beta, state, state_indices, tree, block_depth, shape, res,
-                           use_qk_l2norm, pending)
     resident = launch.variant != "fused"
     if resident:
         kernel, grid, blocks = RESIDENT, (h.hv * launch.v_split, shape.num_requests), ()
@@ -112,76 +99,6 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
 
     kernel.launch_keyed(key, grid, fast_args, args, meta)
     return res
-
-
-def _run_stream(launch: Launch, q, k, v, sq, sk, sv, g, beta, state, state_indices, tree: TreeBatch, block_depth,
-                shape: VerifyShape, res: TreeVerifyResult, use_qk_l2norm: bool,
-                pending: PendingCommit | None) -> TreeVerifyResult:
-    """The "stream" variant's two launches (`stream.py`): the heads' factors into a scratch, then one program per
-    value tile streaming its rows of the state (folding ``pending`` in first) and reading out with them."""
-    h, config, block = shape.heads, launch.config, launch.node_block
-    b, device = shape.num_requests, q.device
-    factors = torch.empty((b, h.hv, 2 * block * block + 2 * block), dtype=torch.float32, device=device)
-    o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
-    gs, bs, ss = g.stride(), beta.stride(), state.stride()
-    common = (launch, h.dk, h.dv, q.dtype, q.device.type, use_qk_l2norm)
-
-    ftensors = (q, k, g, beta, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth, log_decay, k_out, k_scale,
-                committed, factors)
-    fpointers = tuple(map(_data_ptr, ftensors))
-    fsizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], gs[0], gs[1], bs[0], bs[1])
-    fkey = None if reduce(or_, fpointers) & 15 else (*common, g.dtype, beta.dtype, *fsizes)
-    fscalars = (shape.scale, *fsizes)
-
-    def fmeta() -> dict:
-        return dict(D_K=h.dk, B_T=block, B_K=config.b_k, USE_QK_L2NORM=bool(use_qk_l2norm),
-                    DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q), SWEEP_F16=launch.sweep_f16,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
-
-    FACTORS.launch_keyed(fkey, (h.hv, b), (*fpointers, *fscalars), lambda: (*ftensors, *fscalars), fmeta)
-
-    tensors = (q, k, v, state, state_indices, tree.offsets, factors, o, u)
-    if pending is None:
-        fold, fold_key, width = _NO_FOLD, None, 16
-    else:
-        paths, prev = pending.paths, pending.result
-        fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
-                commit_epoch())
-        width = paths.path_rows.shape[1]
-        fold_key = (paths.request_map.dtype, prev.k.dtype, width)
-        tensors += fold[:7]
-    pointers = tuple(map(_data_ptr, tensors))
-    sizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], ss[0], ss[1], ss[2])
-    rows = _pow2(tree.max_tree_size)
-    fma = rows <= CHAIN_MAX_NODES
-    if fma and pending is not None:
-        fold_key += (_pow2(pending.paths.tree.depth + 1),)
-    key = None if reduce(or_, pointers) & 15 else (*common, state_indices.dtype, fold_key, fma, rows, *sizes)
-    fast_args = (*pointers, *_NO_FOLD, *sizes) if pending is None else (*pointers, fold[7], *sizes)
-
-    def args() -> tuple:
-        return (*tensors[:9], *fold, *sizes)
-
-    def meta() -> dict:
-        extra = dict(FOLD=False) if pending is None else dict(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width)
-        return dict(D_K=h.dk, D_V=h.dv, B_T=block, B_K=config.b_k, B_V=config.b_v, **extra,
-                    DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q), STATE_SPLIT=launch.state_split,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
-
-    def chain_meta() -> dict:
-        extra = dict(FOLD=False) if pending is None else dict(
-            FOLD=True, B_P=width, N_P=min(width, _pow2(pending.paths.tree.depth + 1)))
-        return dict(D_K=h.dk, D_V=h.dv, B_T=block, T_P=rows, B_K=config.b_k, B_V=config.b_v, **extra,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
-
-    (CHAIN if fma else STREAM).launch_keyed(key, (h.dv // config.b_v, h.hv, b), fast_args, args,
-                                            chain_meta if fma else meta)
-    return res
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= max(n, 2)."""
-    return max(2, 1 << (int(n) - 1).bit_length())
 
 
 def _last_contiguous(x):
