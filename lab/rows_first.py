@@ -1,13 +1,13 @@
-"""Issue 17: the stream verify's state products with the state tile as the left operand.
+"""Issue 17: the stream verify's state products with the state tile as the left operand (``ROWS_FIRST``).
 
 The resident kernel's state-first order ("stream") takes ``Q S^T`` as ``[B_T, b_k] x [b_k, b_v]``: 16 rows of
 nodes (a tree of 4 padded to 16) against the state tile transposed. Its transpose, ``S Q^T`` as ``[b_v, b_k] x
 [b_k, B_T]``, puts the 128 value rows of the tile where the tensor cores want many rows and uses the tile as it
 was loaded; the readout then works on ``[b_v, B_T]`` tiles (``U^T = R'^T W^T``, ``O^T = a_q Q S^T + R'^T M^T``).
-This script times a text-patched copy of the resident kernel whose state-first branch does that, beside the
-shipped kernel, verify and folded round, at each bucket's tuned tiles and a few others, one CUDA graph over
-rotating input sets, after checking it against the float64 reference (outputs, and the folded launch's committed
-slots).
+This script times both orders (`run.ROWS_FIRST` set for the verify and the folded verify alike), verify and folded
+round, at each bucket's tuned tiles and, for the swept cases, both orders at the same eight other tiles; one CUDA
+graph over rotating input sets, after checking each launch against the float64 reference (outputs, and the folded
+launch's committed slots).
 
     python3 lab/rows_first.py [--json OUT] [--repeats 30] [--no-sweep]
 """
@@ -15,73 +15,21 @@ slots).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import pathlib
-import tempfile
 
 import torch
 
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
-from bole_tune.kernels.launcher import FastLauncher
-from bole_tune.kernels.verify import resident as resident_module
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
 
-CASES = [(16, 4, "chain", True), (32, 8, "chain", True), (16, 8, "random", False), (16, 16, "random", True),
-         (32, 4, "chain", False), (64, 4, "chain", False)]
-SWEEP = [KernelConfig(b_k, b_v, w, s) for b_v in (128, 64) for b_k in (32, 64) for w in (2, 4, 8) for s in (2, 3)]
-
-HELPERS = '''
-
-@triton.jit
-def state_products_t(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr):
-    """``S Q^T`` and ``S K^T`` of one ``b_k`` chunk: ``[b_v, b_k] x [b_k, B_T]``, added to ``[b_v, B_T]`` tiles."""
-    b_qs = tl.dot(b_s, tl.trans(b_q.to(tl.float32)), b_qs, input_precision=DOT_PRECISION)
-    b_ks = tl.dot(b_s, tl.trans(b_k.to(tl.float32)), b_ks, input_precision=DOT_PRECISION)
-    return b_qs, b_ks
-
-
-@triton.jit
-def readout_t(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-              H_V, D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """`readout` on ``[b_v, B_T]`` tiles: ``R'^T = V^T - (K S^T)^T a_k``, ``U^T = R'^T W^T``, ``O^T = ...``."""
-    b_v = tl.load(v_ptr + rows[None, :] * stride_v_n + i_h * stride_v_h + o_v[:, None],
-                  mask=m_i[None, :], other=0).to(tl.float32)
-    b_r = b_v - b_ks * a_k[None, :]
-    b_u = tl.dot(b_r, tl.trans(b_w), input_precision=DOT_PRECISION)
-    b_o = tl.dot(b_r, tl.trans(b_m), b_qs * a_q[None, :], input_precision=DOT_PRECISION)
-    tl.store(u_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None], b_u, mask=m_i[None, :])
-    tl.store(o_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None],
-             b_o.to(o_ptr.dtype.element_ty), mask=m_i[None, :])
-'''
-
-
-def rows_first_kernel(workdir: pathlib.Path):
-    """A copy of the resident kernel whose state-first branch takes ``S Q^T`` (`HELPERS`)."""
-    source = pathlib.Path(resident_module.__file__).read_text()
-    start = source.index("    if STATE_FIRST:")
-    end = source.index("    else:\n        # 1. the factors")
-    branch = source[start:end]
-    patches = [("tl.zeros([B_T, B_V], dtype=tl.float32)", "tl.zeros([B_V, B_T], dtype=tl.float32)", 2),
-               ("state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)",
-                "state_products_t(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)", 1),
-               ("        readout(", "        readout_t(", 1)]
-    for old, new, count in patches:
-        assert branch.count(old) == count, f"the resident kernel's state-first branch changed: {old!r}"
-        branch = branch.replace(old, new)
-    source = source[:start] + branch + source[end:] + HELPERS
-    source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
-    path = workdir / "resident_rows_first.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("resident_rows_first", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tree_verify_resident_kernel
-
+CASES = [(16, 4, "chain", True), (32, 8, "chain", True), (16, 8, "random", False), (16, 16, "random", False),
+         (32, 4, "chain", False)]
+SWEEP = [KernelConfig(32, b_v, w, s) for b_v in (128, 64) for w in (2, 4) for s in (2, 3)]
+ORDERS = {"shipped order": False, "rows first": True}
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -95,7 +43,8 @@ def main() -> None:
         heads, device, cases, sweep = HeadShape(hk=2, hv=4, dk=32, dv=32), "cpu", [(2, 4, "chain", True)], \
             [KernelConfig(16, 32, 4, 1)]
         args.repeats = 1
-    kernels = {"shipped": run_module.RESIDENT, "rows first": FastLauncher(rows_first_kernel(pathlib.Path(tempfile.mkdtemp())))}
+    kernels = ORDERS
+    shipped = dict(run_module.ROWS_FIRST)
     epoch = run_module.commit_epoch
     rows = []
     for batch, size, kind, sweeping in cases:
@@ -112,7 +61,7 @@ def main() -> None:
 
         def measure(launch, name: str) -> dict:
             entry = {"config": str(launch.config), "kernel": name}
-            run_module.RESIDENT = kernels[name]
+            run_module.ROWS_FIRST.update(verify=kernels[name], fold=kernels[name])
             try:
                 entry["error"] = bench.error(tree_verify, launch)
                 entry["fold_error"], entry["fold_state_error"] = bench.fold_errors(launch)
@@ -135,7 +84,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
-                run_module.RESIDENT = kernels["shipped"]
+                run_module.ROWS_FIRST.update(shipped)
                 pool.copy_(before)
             print("   ", " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()),
                   flush=True)
@@ -154,7 +103,8 @@ def main() -> None:
         if sweeping and not args.no_sweep:
             for config in sweep:
                 if config.fits(heads.dk, heads.dv):
-                    row["runs"].append(measure(bench.launch(config=config, variant="stream"), "rows first"))
+                    for name in kernels:
+                        row["runs"].append(measure(bench.launch(config=config, variant="stream"), name))
         for name in kernels:
             ok = [r for r in row["runs"] if r["kernel"] == name and "verify" in r]
             if ok:

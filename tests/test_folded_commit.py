@@ -77,6 +77,17 @@ def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypa
     assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
 
 
+@pytest.mark.parametrize("case", ["stream-bf16-trees", "stream-key-steps-bf16-trees"])
+@pytest.mark.parametrize("verify_rows_first,fold_rows_first", [(True, False), (False, False)])
+def test_stream_orders_over_rounds_match_the_recurrence(device, case, verify_rows_first, fold_rows_first, monkeypatch):
+    """The stream launch's state products in either order (`run.ROWS_FIRST`; the shipped choice, the verify's
+    ``Q S^T`` and the fold's ``S Q^T``, runs in the test above): the same rounds, the same recurrence."""
+    from bole_tune.kernels.verify import run as run_module
+
+    monkeypatch.setattr(run_module, "ROWS_FIRST", {"verify": verify_rows_first, "fold": fold_rows_first})
+    test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypatch)
+
+
 def test_pending_mistakes_are_refused(device):
     tree = make_tree([5, 3], device=device)
     x = make_inputs(tree, 2, 4, 32, 32, F32, device)

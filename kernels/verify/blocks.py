@@ -99,6 +99,15 @@ def state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr, GRAM_
 
 
 @triton.jit
+def state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION: tl.constexpr):
+    """``S Q^T`` and ``S K^T`` of one ``b_k`` chunk, ``[b_v, b_k] x [b_k, B_T]``, added to the ``[b_v, B_T]`` tiles
+    ``b_qs`` and ``b_ks`` (the resident kernel's ``ROWS_FIRST``): q/k widened to fp32, at ``DOT_PRECISION``."""
+    b_qs = tl.dot(b_s, tl.trans(b_q.to(tl.float32)), b_qs, input_precision=DOT_PRECISION)
+    b_ks = tl.dot(b_s, tl.trans(b_k.to(tl.float32)), b_ks, input_precision=DOT_PRECISION)
+    return b_qs, b_ks
+
+
+@triton.jit
 def path_hits(enter_ptr, exit_ptr, depth_ptr, bos, o_j, m_j, enter_a, o_d):
     """``[len(o_d), len(o_j)]``: local node ``o_j`` (of the request whose rows start at ``bos``; ``m_j`` the
     nodes to look at) lies on the path from the root to the node whose pre-order number is ``enter_a`` (its

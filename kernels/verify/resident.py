@@ -23,7 +23,10 @@ programs need every register of an SM. Here the work is split where the math spl
 With ``STATE_FIRST`` (the planner's "stream" variant: one ``b_v`` tile per program, ``V_SPLIT = dv / b_v``) the
 order is reversed: the program's state tiles stream first, the Gram products and norms of step 1 taken in the
 same key steps as the state products (q and k read once), and the factors are solved after the stream, so the
-state's loads do not wait on the factor chain; the readout is the same.
+state's loads do not wait on the factor chain; the readout is the same. With ``ROWS_FIRST`` (run.py's choice for
+the folded launch) the state products are taken the other way round, ``S Q^T`` as ``[b_v, b_k] x [b_k, B_T]``: the
+state tile, already in registers for the fold, is the left operand with its ``b_v`` rows where the tensor cores
+want many rows, and the readout works on ``[b_v, B_T]`` tiles.
 
 The sweeps cost ``T^3`` per head instead of ``T^2 dv`` and nothing ``T x T`` leaves the SM. With one
 program per head it needs many heads to fill a GPU, and ``V_SPLIT`` programs share a head's value rows
@@ -37,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_path, qk_chunk_gram, solve_factors,
-                     state_products)
+                     state_products, state_products_rows_first)
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -64,6 +67,7 @@ def tree_verify_resident_kernel(
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
+    ROWS_FIRST: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -97,9 +101,14 @@ def tree_verify_resident_kernel(
     if STATE_FIRST:
         # one value tile per program (B_V = D_V / V_SPLIT): S_pre's stream starts at once, the Gram products ride
         # along in the same key steps (q and k read once), and the factors follow the stream
+        # (ROWS_FIRST: the products as ``S Q^T``, ``[b_v, B_T]`` tiles, the state tile the left operand)
         o_v = i_part * B_V + tl.arange(0, B_V)
-        b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
-        b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
+        if ROWS_FIRST:
+            b_qs = tl.zeros([B_V, B_T], dtype=tl.float32)
+            b_ks = tl.zeros([B_V, B_T], dtype=tl.float32)
+        else:
+            b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
+            b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
         if FOLD:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
         for i_k in range(0, D_K, B_K):
@@ -112,13 +121,20 @@ def tree_verify_resident_kernel(
             if FOLD:
                 b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
                 tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
-            b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            if ROWS_FIRST:
+                b_qs, b_ks = state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)
+            else:
+                b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
         b_w, b_m, a_q, a_k = head_factors(
             b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
             logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
             B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
-        readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-                H_V, D_V, DOT_PRECISION)
+        if ROWS_FIRST:
+            readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n,
+                               stride_v_h, H_V, D_V, DOT_PRECISION)
+        else:
+            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
+                    H_V, D_V, DOT_PRECISION)
     else:
         # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
         for i_k in range(0, D_K, B_K):
@@ -200,3 +216,18 @@ def readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v,
     tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
     tl.store(o_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
              b_o.to(o_ptr.dtype.element_ty), mask=m_i[:, None])
+
+
+@triton.jit
+def readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n,
+                       stride_v_h, H_V, D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`readout` on ``[b_v, B_T]`` tiles (``ROWS_FIRST``): ``R'^T = V^T - (K S^T)^T a_k``, ``U^T = R'^T W^T``,
+    ``O^T = (Q S^T)^T a_q + R'^T M^T``, stored."""
+    b_v = tl.load(v_ptr + rows[None, :] * stride_v_n + i_h * stride_v_h + o_v[:, None],
+                  mask=m_i[None, :], other=0).to(tl.float32)
+    b_r = b_v - b_ks * a_k[None, :]
+    b_u = tl.dot(b_r, tl.trans(b_w), input_precision=DOT_PRECISION)
+    b_o = tl.dot(b_r, tl.trans(b_m), b_qs * a_q[None, :], input_precision=DOT_PRECISION)
+    tl.store(u_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None], b_u, mask=m_i[None, :])
+    tl.store(o_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None],
+             b_o.to(o_ptr.dtype.element_ty), mask=m_i[None, :])

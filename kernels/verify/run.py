@@ -29,6 +29,13 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 (BENCHMARKS.md, "A layer's round")."""
 
 
+ROWS_FIRST = {"verify": False, "fold": True}
+"""Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
+``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
+BENCHMARKS.md "Seventh session"): the folded round of B=16 4-node chains 36.0 against 39.8 us at the best tiles
+of each order measured, B=32 8-node chains 74.8 against 81.2; the verify alone gains nothing (16.7 against 16.1
+us), so it keeps the other order."""
+
 _NO_FOLD = (None,) * 7 + (0,)
 
 
@@ -77,8 +84,10 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fast_args = (*pointers, *_NO_FOLD, *scalars)
     else:
         fast_args = (*pointers, fold[7], *scalars)
+    rows_first = (launch.variant == "stream" and not launch.state_split
+                  and ROWS_FIRST["verify" if pending is None else "fold"])
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, *sizes)
+                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, *sizes)
 
     def args() -> tuple:
         return (*tensors[:17], *fold, *scalars)
@@ -86,7 +95,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     def meta() -> dict:
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
-                     "STATE_FIRST": launch.variant == "stream"}
+                     "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first}
         else:
             extra = {}
         if pending is None:
