@@ -411,14 +411,18 @@ RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), Kerne
                    KernelConfig(128, 32, 4, 2), KernelConfig(128, 64, 4, 2))
 # the state-first order's best tiles (lab/state_first.py, 9B B=16-32, T=4-16): whole value rows per program
 STREAM_STARTS = (KernelConfig(32, 128, 4, 3), KernelConfig(32, 128, 4, 2), KernelConfig(64, 128, 4, 3))
+# the folded stream launch's best tiles with its state products as S Q^T (lab/rows_first.py, 9B B=16-32, T=4-16)
+FOLD_STREAM_STARTS = (KernelConfig(32, 64, 2, 3), KernelConfig(32, 128, 2, 2))
 
 
 def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
     """Configs a study starts with for the kernel this bucket runs on (beside default and neighbours)."""
     if isinstance(key, CommitKey):
         return []
-    starts = {"resident": RESIDENT_STARTS, "stream": STREAM_STARTS}.get(
-        PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket), ())
+    variant = PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket)
+    starts = {"resident": RESIDENT_STARTS, "stream": STREAM_STARTS}.get(variant, ())
+    if variant == "stream" and key.fold:
+        starts = FOLD_STREAM_STARTS + starts
     return [c for c in starts if c.fits(key.heads.dk, key.heads.dv)]
 
 

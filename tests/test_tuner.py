@@ -1,5 +1,6 @@
 """The tuning loop on a CPU: Optuna over a runner that replays recorded measurements."""
 
+import dataclasses
 import json
 import math
 import warnings
@@ -172,12 +173,15 @@ def test_bad_recording_is_refused(tmp_path):
 
 def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
     """A bucket that runs on the resident kernel seeds its study with that kernel's lab-best tiles."""
-    from bole_tune.tuner import RESIDENT_STARTS, STREAM_STARTS, kernel_starts
+    from bole_tune.tuner import FOLD_STREAM_STARTS, RESIDENT_STARTS, STREAM_STARTS, kernel_starts
 
     resident = shape_key()
     fused = shape_key(tree=128)
     assert kernel_starts(resident) == list(RESIDENT_STARTS) and kernel_starts(fused) == []
     assert kernel_starts(shape_key(tree=8)) == list(STREAM_STARTS)  # B=16 T=8: the state-first order
+    # its folded launch (state products as S Q^T) starts from that launch's own best tiles first
+    folded = kernel_starts(dataclasses.replace(shape_key(tree=8), fold=True))
+    assert folded == list(FOLD_STREAM_STARTS + STREAM_STARTS)
     measured = []
 
     class Logged(ReplayRunner):
