@@ -32,9 +32,9 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
-BENCHMARKS.md "Seventh session"): the folded round of B=16 4-node chains 36.0 against 39.8 us at the best tiles
-of each order measured, B=32 8-node chains 74.8 against 81.2; the verify alone gains nothing (16.7 against 16.1
-us), so it keeps the other order."""
+BENCHMARKS.md "Seventh session"; both orders at the same eight tiles): the folded round of B=16 4-node chains 36.1
+against 39.5 us at the best tiles of each, B=32 8-node chains 74.0 against 79.5; the verify alone gains nothing
+(16.4 against 15.9 us), so it keeps the other order."""
 
 _NO_FOLD = (None,) * 7 + (0,)
 
