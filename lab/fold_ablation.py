@@ -9,13 +9,15 @@ Ablations (each a copy of kernels/verify/resident.py with one part of the fold r
   nostore:  the folded tile is not written back
   none:     all three (the fold reduced to scaling the tile in registers)
 
+The ablations' patches match the kernel at commit fc3fac6 (the fold has changed since): run the script from a
+checkout of that commit; at a later one the patch check stops it.
+
     python3 lab/fold_ablation.py [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import tempfile
@@ -25,10 +27,11 @@ import torch
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
-from bole_tune.kernels.verify import resident as resident_module
+from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
+from patched_kernel import patched_resident_kernel
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 64, "random"), (1, 4, "chain")]
 CONFIGS = [KernelConfig(128, b_v, w, s) for b_v in (32, 64) for w in (2, 4) for s in (2, 3)]
@@ -50,17 +53,7 @@ ABLATIONS = {"nopath": [(PATH, NO_PATH)], "noprod": [(PROD, NO_PROD)], "nostore"
 
 
 def ablated_kernel(name: str, workdir: pathlib.Path):
-    source = pathlib.Path(resident_module.__file__).read_text()
-    for old, new in ABLATIONS[name]:
-        assert old in source, f"ablation {name}: the kernel source changed"
-        source = source.replace(old, new)
-    source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
-    path = workdir / f"resident_{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"resident_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tree_verify_resident_kernel
+    return patched_resident_kernel(ABLATIONS[name], name, workdir)
 
 
 def main() -> None:
@@ -70,8 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
     workdir = pathlib.Path(tempfile.mkdtemp())
-    kernels = {name: ablated_kernel(name, workdir) for name in ABLATIONS}
-    shipped = run_module.tree_verify_resident_kernel
+    kernels = {name: FastLauncher(ablated_kernel(name, workdir)) for name in ABLATIONS}
+    shipped = run_module.RESIDENT
     rows = []
     for batch, size, kind in CASES:
         case = BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind)
@@ -96,11 +89,11 @@ def main() -> None:
         row = {"batch": batch, "tree_size": size, "kind": kind, "config": str(launch.config), "v_split": launch.v_split}
         row["verify"], row["folded"] = timed(launch, False), timed(launch, True)
         for name, kernel in kernels.items():
-            run_module.tree_verify_resident_kernel = kernel
+            run_module.RESIDENT = kernel  # the launcher run.py calls (a kernel is bound in it at import)
             try:
                 row[f"folded_{name}"] = timed(launch, True)
             finally:
-                run_module.tree_verify_resident_kernel = shipped
+                run_module.RESIDENT = shipped
         print(f"B={batch:>2} T={size:>3} {kind:6s} resident {launch.config} split {launch.v_split}: " +
               " ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)), flush=True)
         row["configs"] = []

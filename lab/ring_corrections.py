@@ -18,7 +18,6 @@ corrections' verify plus the all-layer commit's share, commit / R.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import tempfile
@@ -30,10 +29,10 @@ from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
 from bole_tune.kernels.launcher import FastLauncher
-from bole_tune.kernels.verify import resident as resident_module
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
+from patched_kernel import patched_resident_kernel
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 64, "random"), (1, 4, "chain")]
 
@@ -69,6 +68,11 @@ def _deeper(text: str, last: str) -> str:
 
 SECOND_INIT, SECOND_INIT_RING = (_deeper(t, "            for i_k in range(0, D_K, B_K):") for t in (FIRST_INIT, FIRST_INIT_RING))
 SECOND_FOLD, SECOND_RING = (_deeper(t, "            readout(") for t in (FIRST_FOLD, FIRST_RING))
+# the state-first branch also has the S Q^T order (ROWS_FIRST); the copy keeps Q S^T and is run with it
+FIRST_FOLD = FIRST_FOLD.replace("""            b_qs, b_ks = state_products(""", """            if ROWS_FIRST:
+                b_qs, b_ks = state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)
+            else:
+                b_qs, b_ks = state_products(""")
 PATCHES = [(FIRST_INIT, FIRST_INIT_RING), (FIRST_FOLD, FIRST_RING), (SECOND_INIT, SECOND_INIT_RING),
            (SECOND_FOLD, SECOND_RING)]
 
@@ -85,18 +89,9 @@ def ring_kernel(workdir: pathlib.Path, dot: str = "tf32x3"):
     products as `DOTS` names them (the fold's own "tf32x3"; one "tf32" pass, a correction being not kept; or the key
     steps' products on the inputs' 16-bit operands as the Gram products are)."""
     loop_dtype, loop_dot, final_dot = DOTS[dot]
-    source = pathlib.Path(resident_module.__file__).read_text()
-    for old, new in PATCHES:
-        assert source.count(old) == 1, "the resident kernel's source changed: update the patch"
-        new = new.replace("LOOP_DTYPE", loop_dtype).replace("input_precision=LOOP_DOT", f"input_precision={loop_dot}")
-        source = source.replace(old, new.replace("input_precision=FOLD_DOT", f"input_precision={final_dot}"))
-    source = source.replace("from .blocks import", "from bole_tune.kernels.verify.blocks import")
-    path = workdir / f"resident_ring_{dot}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"resident_ring_{dot}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tree_verify_resident_kernel
+    patches = [(old, new.replace("LOOP_DTYPE", loop_dtype).replace("input_precision=LOOP_DOT", f"input_precision={loop_dot}")
+                .replace("input_precision=FOLD_DOT", f"input_precision={final_dot}")) for old, new in PATCHES]
+    return patched_resident_kernel(patches, f"ring_{dot}", workdir)
 
 
 def main() -> None:
@@ -114,6 +109,8 @@ def main() -> None:
     shipped = run_module.RESIDENT
     epoch = run_module.commit_epoch
     run_module.commit_epoch = lambda: 7  # one mark for every launch: a pending path stays pending while timed
+    orders = dict(run_module.ROWS_FIRST)
+    run_module.ROWS_FIRST.update(fold=False)  # the copy's corrections are written for the Q S^T order
     rows = []
     try:
         for batch, size, kind in CASES:
@@ -191,6 +188,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     finally:
         run_module.commit_epoch = epoch
+        run_module.ROWS_FIRST.update(orders)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
