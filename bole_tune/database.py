@@ -411,6 +411,11 @@ def _step_curve(curve, w: str) -> None:
                 _number(point[name], f"{p}.{name}")
         if "attention_kernel" in point:
             _string(point["attention_kernel"], f"{p}.attention_kernel")
+        if "gdn_round" in point:
+            _string(point["gdn_round"], f"{p}.gdn_round")
+        if "gdn_rounds_us" in point:
+            for name, value in _mapping(point["gdn_rounds_us"], f"{p}.gdn_rounds_us").items():
+                _number(value, f"{p}.gdn_rounds_us.{name}")
         if "attention_variants_us" in point:
             for name, value in _mapping(point["attention_variants_us"], f"{p}.attention_variants_us").items():
                 _number(value, f"{p}.attention_variants_us.{name}", positive=False)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import TreeVerifyResult, gdn_gates, tree_commit, tree_conv, tree_conv_commit, tree_verify
+from bole_tune.kernels import (PendingCommit, TreeVerifyResult, gdn_gates, tree_commit, tree_conv, tree_conv_commit,
+                               tree_verify)
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
@@ -53,13 +54,18 @@ class GDNStepResult:
 
 
 def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, state_indices, tree: TreeBatch,
-                  config: KernelConfig | None = None, validate: bool | None = None) -> GDNStepResult:
+                  config: KernelConfig | None = None, validate: bool | None = None, out: TreeVerifyResult | None = None,
+                  pending: PendingCommit | None = None) -> GDNStepResult:
     """Convolution, gates and verification of every tree node of one GDN layer.
 
     Args:
         mixed_qkv: ``[N, 2*Hk*dk + Hv*dv]`` the layer's ``in_proj_qkv`` output for every node.
         a, b: ``[N, Hv]`` its ``in_proj_a`` and ``in_proj_b`` outputs.
-        state, conv_state: the recurrent and conv state pools (never written here).
+        state, conv_state: the recurrent and conv state pools (the conv pool is never written here; the
+            recurrent one only with ``pending``).
+        out, pending: passed to `tree_verify`: result buffers to write into, and the previous round's accepted
+            paths of this layer, committed into the recurrent state in the verify's launch (then commit the
+            conv state alone, `tree_conv_commit`, not `gdn_tree_commit`).
     """
     if not isinstance(params, GDNLayerParams):
         raise TypeError(f"params: expected GDNLayerParams, got {type(params).__name__}")
@@ -75,7 +81,7 @@ def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, st
     v = activated[:, 2 * key_width:].view(n, h.hv, h.dv)
     g, beta = gdn_gates(a, b, params.a_log, params.dt_bias, validate)
     res = tree_verify(q, k, v, g, beta, state, state_indices, tree, scale=h.dk ** -0.5, use_qk_l2norm=True,
-                      config=config, validate=validate)
+                      config=config, validate=validate, out=out, pending=pending)
     return GDNStepResult(o=res.o, verify=res, conv_inputs=mixed_qkv.detach().clone())
 
 

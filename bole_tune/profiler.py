@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -611,9 +611,10 @@ def measured_points(db_path, names: dict, shape: dict, run: dict) -> dict:
     return found
 
 
-ROUND_KERNELS = ("round_verify_commit", "round_serial", "round_verify_commit_cpu_fallback")
-"""The round curves: a layer's verify plus commit, timed together (the tuned launches; the serial engine's
-verify and its snapshot copy; on a CPU the fallback's)."""
+ROUND_KERNELS = ("round_verify_commit", "round_folded", "round_serial", "round_verify_commit_cpu_fallback")
+"""The round curves: a layer's verify plus commit, timed together (the tuned launches), the folded verify (the
+previous round's commit inside the verify, its tuned launch), the serial engine's verify and its snapshot copy; on
+a CPU the fallback's verify plus commit."""
 
 
 def time_commit(bench: CaseBench, config: CommitConfig | None, repeats: int, most_sets: int = 64) -> Timing:
@@ -654,7 +655,7 @@ def curve_kernels(on_gpu: bool, serial: bool = True) -> list[str]:
     if not on_gpu:
         return ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback", "round_verify_commit_cpu_fallback"]
     kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit", "round_verify_commit",
-               "round_serial"]
+               "round_folded", "round_serial"]
     return kernels if serial else [k for k in kernels if k not in ("serial_verify", "round_serial")]
 
 
@@ -667,8 +668,9 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
     rows come back with ``resumed: True``.
 
     The round curves (`ROUND_KERNELS`) are what a GDN layer costs per speculation round: ``round_verify_commit``
-    the tuned tree_verify then the tuned one-layer tree_commit, ``round_serial`` serial_verify then its
-    snapshot copy."""
+    the tuned tree_verify then the tuned one-layer tree_commit, ``round_folded`` the folded verify with its tuned
+    config (`CaseBench.time_folded`, with its reset of the previous round's commit marks), ``round_serial``
+    serial_verify then its snapshot copy."""
     shape = model.heads(plan.tp)
     shape_dict = {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv}
     dtype = torch_dtype(plan.dtype)
@@ -690,9 +692,11 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                 pts.clear()
         last_write[0] = time.monotonic()
 
-    def current(held: dict, decision, commit) -> bool:
+    def current(held: dict, decision, commit, fold) -> bool:
         """Whether the held points ran the configs now tuned."""
         if decision is not None and held["tree_verify_tuned"].get("config") != decision.config.as_dict():
+            return False
+        if fold is not None and held["round_folded"].get("config") != fold.config.as_dict():
             return False
         return commit is None or all(held[k].get("commit_config") == commit.config.as_dict()
                                      for k in ("tree_commit", "round_verify_commit"))
@@ -707,8 +711,10 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
             decision = decide(key, fp.slug, "nearest", directory=directory) if on_gpu else None
             commit = (decide_commit(CommitKey(shape=key, layers=1), fp.slug, "nearest", directory=directory,
                                     num_requests=batch) if on_gpu else None)
+            fold = (decide(replace(key, fold=True), fp.slug, "nearest", directory=directory)
+                    if on_gpu else None)
             held = {k: done.get((k, batch, size)) for k in kernels}
-            if all(held.values()) and current(held, decision, commit):
+            if all(held.values()) and current(held, decision, commit, fold):
                 rows += [{"model": model.name, "kernel": k, **point, "resumed": True} for k, point in held.items()]
                 if progress:
                     progress(model, batch, size, {})
@@ -734,6 +740,8 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                 measured["tree_commit"] = (time_commit(bench, commit.config, plan.repeats), None, None, commit.config)
                 measured["round_verify_commit"] = (time_round(bench, tuned, commit.config, plan.repeats), None,
                                                    tuned.config, commit.config)
+                folded = bench.launch(fold.config, tuned_on=fold.kernel, fold=True)
+                measured["round_folded"] = (bench.time_folded(folded, plan.repeats), None, folded.config, None)
             else:
                 error = bench.check(tree_verify)
                 timing, _ = bench.time_verify(tree_verify, repeats=max(3, plan.repeats // 10), most_sets=2)

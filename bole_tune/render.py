@@ -146,12 +146,14 @@ STEP_FIELDS = ("gdn_us", "gdn_serial_us", "attention_us", "lm_head_us", "step_us
 def step(result) -> Table:
     """The points `bole_tune.step_latency.measure_and_store` measured, per model, batch and tree size."""
     t = table(f"verification step on {result.device_name}, us (p50)",
-              ("model", "B", "T", "tokens", "GDN layer", "GDN serial", "attention", "LM head", "step", "step serial"))
+              ("model", "B", "T", "tokens", "GDN layer", "GDN round", "GDN serial", "attention", "LM head", "step",
+               "step serial"))
     for model, points in result.points.items():
         for point in points:
             d = point.as_dict()
-            t.add_row(model, str(point.batch), str(point.tree_size), str(point.tokens),
-                      *[f"{d[k]:.0f}" if k in d else "-" for k in STEP_FIELDS])
+            cells = [f"{d[k]:.0f}" if k in d else "-" for k in STEP_FIELDS]
+            t.add_row(model, str(point.batch), str(point.tree_size), str(point.tokens), cells[0],
+                      d.get("gdn_round", "-"), *cells[1:])
     return t
 
 

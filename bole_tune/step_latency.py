@@ -6,8 +6,12 @@ graph, for N verified tokens at batch B (every request a tree of N / B nodes):
 
 - GDN layer, the round an engine pays per layer: input projections, the tree-parallel short convolution
   and the gates (`gdn_tree_step`: conv, gates, `tree_verify` with the tuned configs), gated RMS norm,
-  output projection and FFN, then the commit of each request's deepest node (`gdn_tree_commit`: the
-  recurrent and the conv state). With ``serial`` the same layer through `serial_verify` and a copy of one
+  output projection and FFN, and the commit of each request's deepest node (the recurrent and the conv
+  state). The commit is timed each way an engine can run it (`GDN_ROUNDS`), and the cheapest counts, named
+  per point as ``gdn_round``: a one-layer commit after the layer (`gdn_tree_commit`), the layer with its
+  conv commit plus its share of one `tree_commit_layers` launch for all of the model's GDN layers, or the
+  folded verify (the previous round's commit inside this round's `tree_verify`, two result buffers
+  alternating, then the conv commit). With ``serial`` the same layer through `serial_verify` and a copy of one
   state per request (what a snapshot engine's commit costs) is timed beside it;
 - attention layer: q (with its output gate), k, v projections, attention of each request's tree tokens
   over a KV context of ``context`` tokens and over their own tree ancestors, as engines run it
@@ -36,7 +40,8 @@ import torch.nn.functional as F
 from bole_tune import database
 from bole_tune.fingerprint import fingerprint
 from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
-from bole_tune.kernels import gdn_gates, serial_verify, tree_conv
+from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, gdn_gates, serial_verify, tree_commit_layers,
+                               tree_conv, tree_conv_commit, tree_verify)
 from bole_tune.profiler import provenance
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
@@ -44,18 +49,26 @@ from bole_tune.tree_attention import METHODS as ATTENTION_METHODS
 from bole_tune.tree_attention import flex_block_mask, tree_attention
 from bole_tune.workloads import make_inputs, make_tree
 
-METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs, commit), one attention layer "
+METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs, commit: the cheapest of a one-layer "
+          "commit, the share of one commit launch for all GDN layers, and the folded verify), one attention layer "
           "(tree attention as engines run it: the fastest of the methods timed) each with its FFN, and the LM "
           "head, each a CUDA graph timed with events (median of replays); "
           "step = gdn_layers x GDN + attention_layers x attention + LM head")
 SERIAL_MAX_TREE = 64  # serial_verify's snapshots make larger trees slow to time and say nothing new
+
+GDN_ROUNDS = ("verify + commit", "verify + all-layer commit", "folded")
+"""The ways a GDN layer's round is timed (`StepModel.gdn_round_us`); a point's ``gdn_us`` is the cheapest:
+``verify + commit`` the layer then `gdn_tree_commit` (one-layer recurrent commit and conv commit);
+``verify + all-layer commit`` the layer with its conv commit, plus one `tree_commit_layers` launch over all of the
+model's GDN layers divided by their number; ``folded`` the layer whose `tree_verify` commits the previous round's
+path first (``pending``), then its conv commit."""
 
 
 @dataclass(frozen=True)
 class StepPoint:
     batch: int
     tree_size: int  # nodes per request (1 = no speculation)
-    gdn_us: float  # one GDN layer's round: verify and commit
+    gdn_us: float  # one GDN layer's round: verify and commit, the cheapest way (`GDN_ROUNDS`)
     gdn_serial_us: float | None
     attention_us: float
     lm_head_us: float
@@ -63,6 +76,8 @@ class StepPoint:
     step_serial_us: float | None
     attention_kernel: str = ""
     attention_methods_us: dict | None = None
+    gdn_round: str = ""  # which of `GDN_ROUNDS` gdn_us is
+    gdn_rounds_us: dict | None = None  # each way timed
 
     @property
     def tokens(self) -> int:
@@ -76,6 +91,10 @@ class StepPoint:
         if self.gdn_serial_us is not None:
             d["gdn_serial_us"] = round(self.gdn_serial_us, 2)
             d["step_serial_us"] = round(self.step_serial_us, 2)
+        if self.gdn_round:
+            d["gdn_round"] = self.gdn_round
+        if self.gdn_rounds_us:
+            d["gdn_rounds_us"] = {k: round(v, 2) for k, v in self.gdn_rounds_us.items()}
         if self.attention_methods_us:  # each method timed: its p50, or why it could not run
             d["attention_methods_us"] = {k: round(v, 2) if isinstance(v, float) else v
                                          for k, v in self.attention_methods_us.items()}
@@ -172,8 +191,11 @@ class StepModel:
         self.tree_mask = torch.stack([self.tree.ancestor_mask(r, self.device) for r in range(batch)])  # [B, T, T]
         self._block_mask = None
 
-    def gdn_layer(self, verify: str = "bole") -> torch.Tensor:
-        """One GDN layer's round: ``verify`` "bole" (the tree step and its commit) or "serial"."""
+    def gdn_layer(self, verify: str = "bole", commit: str = "layer", out=None, pending=None) -> torch.Tensor:
+        """One GDN layer's round: ``verify`` "bole" (the tree step and its commit) or "serial". ``commit`` (bole):
+        "layer" commits the recurrent and the conv state after the layer (`gdn_tree_commit`), "conv" the conv
+        state alone (the recurrent one is committed by the all-layer launch or the next round's fold); ``out``
+        and ``pending`` go to `gdn_tree_step`."""
         h, n = self.heads, self.x.shape[0]
         channels = self.params.channels
         x = _rms(self.x)
@@ -182,8 +204,14 @@ class StepModel:
         b, a = (x @ self.wt.gdn_gates).chunk(2, dim=-1)
         if verify == "bole":
             step = gdn_tree_step(mixed, a, b, self.params, self.state, self.conv_state, self.slots, self.tree,
+                                 validate=False, out=out, pending=pending)
+            if commit == "layer":
+                gdn_tree_commit(self.state, self.conv_state, self.slots, step, self.accepted, validate=False)
+            elif commit == "conv":
+                tree_conv_commit(self.conv_state, self.slots, step.conv_inputs, self.tree, self.accepted,
                                  validate=False)
-            gdn_tree_commit(self.state, self.conv_state, self.slots, step, self.accepted, validate=False)
+            else:
+                raise ValueError(f"commit: expected 'layer' or 'conv', got {commit!r}")
             core = step.o
         elif verify == "serial":
             activated = tree_conv(mixed, self.conv_state, self.params.conv_weight, self.slots, self.tree, "silu",
@@ -201,6 +229,40 @@ class StepModel:
         o = _rms(core.reshape(n, h.hv * h.dv)) * F.silu(z)
         y = self.x + o @ self.wt.gdn_out
         return y + _ffn(_rms(y), self.model, self.wt)
+
+    def gdn_folded_rounds(self) -> torch.Tensor:
+        """Two consecutive rounds of the layer, each `tree_verify` committing the previous round's path of each
+        request first, the results alternating between two buffers as an engine keeps them (each verify marks
+        its own result uncommitted, so every replay folds again, with no reset in between)."""
+        first, second = self._fold_buffers()
+        self.gdn_layer(commit="conv", out=first, pending=PendingCommit(self._paths, second))
+        return self.gdn_layer(commit="conv", out=second, pending=PendingCommit(self._paths, first))
+
+    def _fold_buffers(self):
+        if getattr(self, "_folds", None) is None:
+            stacked = LayerResults.empty(2, self.tree, self.heads, torch.bfloat16, self.device)
+            self._folds = (stacked.layer(0, self.tree), stacked.layer(1, self.tree))
+            self._paths = PendingPaths.between_rounds(self.tree, self.accepted, self.slots, self.slots,
+                                                      self.state.shape[0])
+            self.gdn_layer(commit="conv", out=self._folds[1])  # a verified previous round to fold first
+        return self._folds
+
+    def all_layer_commit(self, layers: int) -> "_AllLayerCommit":
+        """One `tree_commit_layers` launch over ``layers`` layers' pools (each request's deepest node), ready to
+        time; its layers' results come from this round's verify of each layer's own pool."""
+        return _AllLayerCommit(self, layers)
+
+    def gdn_round_us(self, repeats: int) -> dict[str, float]:
+        """The layer's round timed each way of `GDN_ROUNDS` (p50, us per layer and round)."""
+        def time(fn, per: int = 1) -> float:
+            return time_launches(lambda _: fn(), 1, self.device, repeats=repeats).p50_us / per
+
+        ways = {"verify + commit": time(lambda: self.gdn_layer("bole", "layer"))}
+        layers = max(1, self.model.num_gdn_layers)
+        with self.all_layer_commit(layers) as commit:
+            ways["verify + all-layer commit"] = time(lambda: self.gdn_layer("bole", "conv")) + time(commit, layers)
+        ways["folded"] = time(self.gdn_folded_rounds, 2)
+        return ways
 
     def attention_layer(self, method: str = "split") -> torch.Tensor:
         """One attention layer and its FFN, the tree attention by ``method`` (`bole_tune.tree_attention`)."""
@@ -224,6 +286,37 @@ class StepModel:
         return _rms(self.x) @ self.wt.lm_head
 
 
+class _AllLayerCommit:
+    """The layers' stacked pools and results of `StepModel.all_layer_commit`; freed on leaving the ``with``."""
+
+    def __init__(self, m: StepModel, layers: int):
+        self.m, self.layers = m, layers
+
+    def __enter__(self):
+        m = self.m
+        h, tree = m.heads, m.tree
+        self.states = m.state.unsqueeze(0).repeat(self.layers, 1, 1, 1, 1)  # [L, B, Hv, dv, dk]
+        self.results = LayerResults.empty(self.layers, tree, h, torch.bfloat16, m.device)
+        n = tree.num_nodes
+        g = torch.Generator(device=m.device).manual_seed(3)
+        q, k = (torch.randn(n, h.hk, h.dk, generator=g, device=m.device, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(n, h.hv, h.dv, generator=g, device=m.device, dtype=torch.bfloat16)
+        gate = -torch.rand(n, h.hv, generator=g, device=m.device)
+        beta = torch.rand(n, h.hv, generator=g, device=m.device)
+        for layer in range(self.layers):
+            tree_verify(q, k, v, gate, beta, self.states[layer], m.slots, tree, validate=False,
+                        out=self.results.layer(layer, tree))
+        return self
+
+    def __call__(self):
+        self.results.committed.zero_()  # every replay commits (a result's paths are committed once)
+        tree_commit_layers(self.states, self.m.slots, self.results, self.m.tree, self.m.accepted, validate=False)
+
+    def __exit__(self, *exc):
+        del self.states, self.results
+        return False
+
+
 def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 4096, device="cuda",
                        repeats: int = 20, serial: bool = True, attention=("split",), progress=None) -> list[StepPoint]:
     """Step latency at every (batch, tree size); tree size 1 is plain decoding. ``attention``: the tree
@@ -237,7 +330,9 @@ def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 
     for batch in batches:
         for size in tree_sizes:
             m = StepModel(model, batch, size, weights, context, device)
-            gdn = time_launches(lambda _: m.gdn_layer("bole"), 1, device, repeats=repeats).p50_us
+            rounds = m.gdn_round_us(repeats)
+            gdn_round = min(rounds, key=rounds.get)
+            gdn = rounds[gdn_round]
             gdn_serial = None
             if serial and 1 < size <= SERIAL_MAX_TREE:
                 gdn_serial = time_launches(lambda _: m.gdn_layer("serial"), 1, device, repeats=repeats).p50_us
@@ -257,7 +352,7 @@ def measure_step_curve(model: ModelProfile, batches, tree_sizes, context: int = 
             step = model.num_gdn_layers * gdn + others
             step_serial = model.num_gdn_layers * gdn_serial + others if gdn_serial is not None else None
             points.append(StepPoint(batch, size, gdn, gdn_serial, methods[kernel], lm, step, step_serial, kernel,
-                                    {**methods, **failed} if len(attention) > 1 else None))
+                                    {**methods, **failed} if len(attention) > 1 else None, gdn_round, rounds))
             if progress:
                 progress(model, batch, size, points[-1])
             del m

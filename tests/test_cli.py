@@ -157,6 +157,8 @@ def test_step_budget_report_and_calibrate(tmp_path):
     assert len(points) == 6 and all(p["step_us"] > 0 for p in points)
     assert all(p["step_us"] == pytest.approx(6 * p["gdn_us"] + 2 * p["attention_us"] + p["lm_head_us"], rel=1e-3)
                for p in points)
+    assert all(p["gdn_us"] == min(p["gdn_rounds_us"].values()) and p["gdn_round"] in p["gdn_rounds_us"]
+               for p in points)
     slug = path.stem
     result = run("budget", "--gpu", slug, "--db-dir", str(db), "--engine", "sglang", "--acceptance",
                  "qwen3.5-mtp-mbpp")

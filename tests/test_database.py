@@ -274,13 +274,16 @@ def _tree_batch(d):
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_us=-1.0), "step_curves.M/bf16.points[1].step_us"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(step_serial_us="a"), "points[1].step_serial_us"),
     (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(attention_kernel=3), "points[1].attention_kernel"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(gdn_round=3), "points[1].gdn_round"),
+    (lambda d: d["step_curves"]["M/bf16"]["points"][1].update(gdn_rounds_us={"folded": "x"}),
+     "points[1].gdn_rounds_us.folded"),
     (lambda d: d["step_curves"]["M/bf16"].update(points=[]), "step_curves.M/bf16.points"),
     (lambda d: d["step_curves"]["M/bf16"].update(dtype="int4"), "step_curves.M/bf16.dtype"),
     (lambda d: d["step_curves"]["M/bf16"].pop("model"), "step_curves.M/bf16.model"),
 ], ids=["no-tokens", "depth-text", "parent-ahead", "ranks-short", "drafts-negative", "shape", "zero-rate",
         "batch-key", "acceptance", "budget-provenance", "engine", "name", "serves-low", "serves-high", "sglang-topk1",
         "sglang-steps", "other-engine", "no-lm-head", "batch-0", "tokens", "negative-step", "serial-text",
-        "attention-kernel", "no-points", "dtype", "no-model"])
+        "attention-kernel", "gdn-round", "gdn-rounds", "no-points", "dtype", "no-model"])
 def test_budgets_and_step_curves_are_validated_naming_file_and_field(tmp_path, mutate, field):
     path = tmp_path / "gpu.yaml"
     data = _with_budget_and_step_curve(path)

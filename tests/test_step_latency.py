@@ -1,0 +1,103 @@
+"""`bole-tune step`'s GDN round: each way an engine can commit is timed and the cheapest counts, and the folded
+way really commits every round (under the interpreter on a CPU, and replayed from a CUDA graph on a GPU)."""
+
+import pytest
+import torch
+
+from bole_tune.gdn_layer import gdn_tree_commit, gdn_tree_step
+from bole_tune.kernels import TreeVerifyResult, tree_commit
+from bole_tune.profiles import load_model
+from bole_tune.step_latency import GDN_ROUNDS, StepModel, _Weights, measure_step_curve
+from conftest import requires_gpu
+from helpers import assert_close
+
+TINY = """name: Tiny-GDN
+hidden_size: 64
+num_layers: 4
+layers_per_attention: 4
+vocab_size: 100
+attention: {num_heads: 2, num_kv_heads: 1, head_dim: 32}
+gdn: {num_key_heads: 1, num_value_heads: 2, key_head_dim: 32, value_head_dim: 32, conv_width: 4}
+ffn: {kind: dense, intermediate_size: 64}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny-gdn.yaml"
+    path.write_text(TINY)
+    return load_model(str(path))
+
+
+def step_model(tiny, device, batch=2, size=4):
+    return StepModel(tiny, batch, size, _Weights(tiny, device), context=16, device=device)
+
+
+def layer_inputs(m: StepModel):
+    """The GDN layer's projections, as `StepModel.gdn_layer` computes them."""
+    from bole_tune.step_latency import _rms
+    x = _rms(m.x)
+    proj = x @ m.wt.gdn_in
+    b, a = (x @ m.wt.gdn_gates).chunk(2, dim=-1)
+    return proj[:, :m.params.channels], a, b
+
+
+def test_folded_rounds_commit_what_separate_commits_do(tiny, device):
+    """Two folded rounds from a verified round leave the state two explicit commits leave, and the first folded
+    round's outputs are the verify's after the first commit."""
+    m = step_model(tiny, device)
+    state0, conv0 = m.state.clone(), m.conv_state.clone()
+    m.gdn_folded_rounds()  # the setup round (into the second buffer), then two folded rounds
+    first, _ = m._fold_buffers()
+    folded_state, folded_o = m.state.clone(), first.o.clone()
+
+    m.state.copy_(state0)
+    m.conv_state.copy_(conv0)
+    mixed, a, b = layer_inputs(m)
+    steps = []
+    for _ in range(2):  # the setup round and the first folded one, each committed on its own
+        steps.append(gdn_tree_step(mixed, a, b, m.params, m.state, m.conv_state, m.slots, m.tree, validate=False))
+        gdn_tree_commit(m.state, m.conv_state, m.slots, steps[-1], m.accepted, validate=False)
+    assert_close(folded_o.float(), steps[1].o.float(), 2e-2, "the first folded round's outputs")
+    assert_close(folded_state, m.state, 1e-5, "the state after two folded rounds")
+    assert not torch.allclose(folded_state, state0), "the folded rounds committed nothing"
+
+
+def test_step_points_take_the_cheapest_round(tiny, device):
+    (point,) = measure_step_curve(tiny, [2], [4], context=16, device=device, repeats=3, serial=False)
+    assert set(point.gdn_rounds_us) == set(GDN_ROUNDS)
+    assert all(v > 0 for v in point.gdn_rounds_us.values())
+    assert point.gdn_round in GDN_ROUNDS and point.gdn_us == min(point.gdn_rounds_us.values())
+    d = point.as_dict()
+    assert d["gdn_round"] == point.gdn_round and set(d["gdn_rounds_us"]) == set(GDN_ROUNDS)
+
+
+def fresh_copy(res: TreeVerifyResult) -> TreeVerifyResult:
+    """A copy of a result's factors, its path not yet committed."""
+    return TreeVerifyResult(*(t.clone() for t in (res.o, res.u, res.log_decay, res.k, res.k_scale)),
+                            torch.zeros_like(res.committed), res.tree)
+
+
+@requires_gpu
+def test_folded_rounds_fold_on_every_graph_replay(tiny):
+    """Replayed from one CUDA graph (as `bole-tune step` times them), both rounds fold on every replay: each
+    replay moves the state as committing the previous replay's second result, then its own first, does."""
+    m = step_model(tiny, "cuda", batch=3, size=8)
+    m.gdn_folded_rounds()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        m.gdn_folded_rounds()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m.gdn_folded_rounds()
+    first, second = m._fold_buffers()
+    for _ in range(3):
+        torch.cuda.synchronize()
+        expected, pending = m.state.clone(), fresh_copy(second)
+        graph.replay()
+        torch.cuda.synchronize()
+        tree_commit(expected, m.slots, pending, m.accepted, validate=False)
+        tree_commit(expected, m.slots, fresh_copy(first), m.accepted, validate=False)
+        assert_close(m.state, expected, 1e-5, "the state after a replay of two folded rounds")
