@@ -140,6 +140,9 @@ def curve_summaries(data: dict) -> list[str]:
     return lines
 
 
+GDN_ROUND_LABELS = {"verify + commit": "commit", "verify + all-layer commit": "all layers", "folded": "folded"}
+"""Short names of `bole_tune.step_latency.GDN_ROUNDS` for the step table."""
+
 STEP_FIELDS = ("gdn_us", "gdn_serial_us", "attention_us", "lm_head_us", "step_us", "step_serial_us")
 
 
@@ -153,7 +156,7 @@ def step(result) -> Table:
             d = point.as_dict()
             cells = [f"{d[k]:.0f}" if k in d else "-" for k in STEP_FIELDS]
             t.add_row(model, str(point.batch), str(point.tree_size), str(point.tokens), cells[0],
-                      d.get("gdn_round", "-"), *cells[1:])
+                      GDN_ROUND_LABELS.get(d.get("gdn_round"), "-"), *cells[1:])
     return t
 
 

@@ -13,8 +13,8 @@ the kernel (`patched_kernel.py`), timed beside the shipped one:
              pending path and the first Gram chunk
   early_all: unrolled, every chunk's state tile requested at the top
 
-Each launch is checked against the float64 reference first (outputs, and the folded launch's committed slots),
-then timed in one CUDA graph over rotating input sets (folded: one commit mark for every launch, no memset).
+Each launch is checked and timed by `round_timing.RoundSets`. Measured on the H200 (BENCHMARKS.md, "Eighth
+session"): every variant slower, 25-45% (the unrolled loop loses Triton's software pipelining of the key loop).
 
     python3 lab/prefetch.py [--json OUT] [--repeats 30] [--smoke]
 """
@@ -26,16 +26,12 @@ import json
 import pathlib
 import tempfile
 
-import torch
-
-from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
 from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
-from bole_tune.timing import time_launches
 from patched_kernel import patched_resident_kernel
+from round_timing import HEADS_9B, RoundSets, best_rows, print_best, show
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 8, "random")]
 TILES = [KernelConfig(32, 64, 2, 3), KernelConfig(32, 128, 2, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 2, 3)]
@@ -97,83 +93,37 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--smoke", action="store_true", help="small heads on the CPU interpreter: the script runs")
     args = parser.parse_args()
-    heads, device, cases, tiles = HeadShape(hk=16, hv=32, dk=128, dv=128), "cuda", CASES, TILES
+    heads, device, cases, tiles = HEADS_9B, "cuda", CASES, TILES
     if args.smoke:
         heads, device, cases, tiles = HeadShape(hk=2, hv=4, dk=64, dv=32), "cpu", [(2, 4, "chain")], \
             [KernelConfig(16, 32, 4, 1)]
-        args.repeats = 1
     kernels = variants(pathlib.Path(tempfile.mkdtemp()))
-    shipped, epoch = run_module.RESIDENT, run_module.commit_epoch
+    shipped = run_module.RESIDENT
     rows = []
     for batch, size, kind in cases:
-        case = BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind)
-        bench = CaseBench(case, device)
-        tree, pool, inputs, slots = bench.sets(64)
-        accepted = bench.deepest(tree)
-        tuned, tuned_fold = bench.launch(), bench.launch(fold=True)
-        prev = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=tuned) for i, x in enumerate(inputs)]
-        outs = [tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=tuned) for i, x in enumerate(inputs)]
-        pending = [PendingCommit(PendingPaths.between_rounds(tree, accepted, slots[i], slots[i], pool.shape[0]),
-                                 prev[i]) for i in range(len(inputs))]
-        before = pool.clone()
-        print(f"B={batch} T={size} {kind}: tuned {tuned.variant} {tuned.config}, fold {tuned_fold.variant} "
-              f"{tuned_fold.config}", flush=True)
-        row = {"batch": batch, "tree_size": size, "kind": kind, "tuned": str(tuned.config),
-               "tuned_fold": str(tuned_fold.config), "runs": []}
-        launches = [bench.launch(config=c, variant="stream") for c in tiles if c.fits(heads.dk, heads.dv)]
-        for launch in launches:
+        sets = RoundSets(heads, batch, size, kind, device)
+        print(f"B={batch} T={size} {kind}: tuned {sets.tuned.variant} {sets.tuned.config}, fold "
+              f"{sets.tuned_fold.variant} {sets.tuned_fold.config}", flush=True)
+        row = {"batch": batch, "tree_size": size, "kind": kind, "tuned": str(sets.tuned.config),
+               "tuned_fold": str(sets.tuned_fold.config), "runs": []}
+        for config in tiles:
+            launch = sets.bench.launch(config=config, variant="stream")
             for name, kernel in kernels.items():
-                entry = {"config": str(launch.config), "kernel": name}
                 run_module.RESIDENT = kernel  # the launcher run.py calls
                 try:
-                    entry["error"] = bench.error(tree_verify, launch)
-                    entry["fold_error"], entry["fold_state_error"] = bench.fold_errors(launch)
-
-                    def verify(i):
-                        x = inputs[i]
-                        tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i])
-
-                    def folded(i):
-                        x = inputs[i]
-                        tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, launch=launch, out=outs[i],
-                                    pending=pending[i])
-
-                    if not args.smoke:  # the interpreter: the patches apply and the results are right; no timing
-                        entry["verify"] = time_launches(verify, len(inputs), device, repeats=args.repeats).p50_us
-                        run_module.commit_epoch = lambda: 7  # a pending path stays pending while timed: no memset
-                        try:
-                            entry["folded"] = time_launches(folded, len(inputs), device, repeats=args.repeats).p50_us
-                        finally:
-                            run_module.commit_epoch = epoch
-                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                    entry["status"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    entry = {"config": str(config), "kernel": name, **sets.measure(launch, args.repeats,
+                                                                                   timed=not args.smoke)}
                 finally:
                     run_module.RESIDENT = shipped
-                    pool.copy_(before)
-                print("   ", " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in entry.items()), flush=True)
+                print("   ", show(entry), flush=True)
                 row["runs"].append(entry)
-        for name in kernels:
-            ok = [r for r in row["runs"] if r["kernel"] == name and "verify" in r]
-            if ok:
-                row[f"best_verify {name}"] = min(ok, key=lambda r: r["verify"])
-                row[f"best_folded {name}"] = min(ok, key=lambda r: r["folded"])
         rows.append(row)
-        del bench, tree, pool, inputs, prev, outs, pending, before
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        sets.release()
+    best_rows(rows, kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    nan = float("nan")
-    print("\n| 9B, us | best verify: " + " / ".join(kernels) + " | best folded: " + " / ".join(kernels) + " |")
-    print("|---|---|---|")
-    for row in rows:
-        bv = [row.get(f"best_verify {name}", {}) for name in kernels]
-        bf = [row.get(f"best_folded {name}", {}) for name in kernels]
-        print(f"| B={row['batch']} T={row['tree_size']} {row['kind']} | "
-              + " / ".join(f"{b.get('verify', nan):.1f} ({b.get('config', '')})" for b in bv) + " | "
-              + " / ".join(f"{b.get('folded', nan):.1f} ({b.get('config', '')})" for b in bf) + " |")
+    print_best(rows, kernels)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import torch
 from bole_tune.gdn_layer import gdn_tree_commit, gdn_tree_step
 from bole_tune.kernels import TreeVerifyResult, tree_commit
 from bole_tune.profiles import load_model
+from bole_tune.render import GDN_ROUND_LABELS
 from bole_tune.step_latency import GDN_ROUNDS, StepModel, _Weights, measure_step_curve
 from conftest import requires_gpu
 from helpers import assert_close
@@ -70,6 +71,7 @@ def test_step_points_take_the_cheapest_round(tiny, device):
     assert point.gdn_round in GDN_ROUNDS and point.gdn_us == min(point.gdn_rounds_us.values())
     d = point.as_dict()
     assert d["gdn_round"] == point.gdn_round and set(d["gdn_rounds_us"]) == set(GDN_ROUNDS)
+    assert set(GDN_ROUND_LABELS) == set(GDN_ROUNDS)  # the step table names each way
 
 
 def fresh_copy(res: TreeVerifyResult) -> TreeVerifyResult:
