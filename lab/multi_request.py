@@ -14,7 +14,6 @@ Each launch is checked against the float64 reference before it is timed.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -22,7 +21,6 @@ import triton
 import triton.language as tl
 
 from bole_tune.bench import BenchCase, CaseBench
-from bole_tune.config import KernelConfig
 from bole_tune.kernels import tree_verify
 from bole_tune.kernels.common import dot_precision, gram_dtype
 from bole_tune.kernels.verify.blocks import floored, qk_chunk_gram, state_products
@@ -30,7 +28,15 @@ from bole_tune.kernels.verify.resident import head_factors, readout
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
 from bole_tune.workloads import relative_error
-from round_timing import HEADS_9B
+from round_timing import HEADS_9B, lab_parser
+
+
+@triton.jit
+def fresh_sums(B_T: tl.constexpr, D_V: tl.constexpr):
+    """A request's sums, zero: the Gram products, the squared norms, the state products."""
+    return (tl.zeros([B_T, B_T], dtype=tl.float32), tl.zeros([B_T, B_T], dtype=tl.float32),
+            tl.zeros([B_T], dtype=tl.float32), tl.zeros([B_T], dtype=tl.float32),
+            tl.zeros([B_T, D_V], dtype=tl.float32), tl.zeros([B_T, D_V], dtype=tl.float32))
 
 
 @triton.jit(do_not_specialize=["H_V", "H_K", "B"])
@@ -53,12 +59,7 @@ def stream_multi_kernel(
     NK: tl.constexpr = D_K // B_K
     o_i = tl.arange(0, B_T)
     o_v = tl.arange(0, D_V)
-    b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
-    b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
-    ssq_q = tl.zeros([B_T], dtype=tl.float32)
-    ssq_k = tl.zeros([B_T], dtype=tl.float32)
-    b_qs = tl.zeros([B_T, D_V], dtype=tl.float32)
-    b_ks = tl.zeros([B_T, D_V], dtype=tl.float32)
+    b_qk, b_kk, ssq_q, ssq_k, b_qs, b_ks = fresh_sums(B_T, D_V)
     for it in range(0, R * NK):
         i_r = tl.minimum(i_g * R + it // NK, B - 1)  # a group past the batch redoes the last request (same values)
         i_k = (it % NK) * B_K
@@ -86,12 +87,7 @@ def stream_multi_kernel(
                 B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
             readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
                     H_V, D_V, DOT_PRECISION)
-            b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
-            b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
-            ssq_q = tl.zeros([B_T], dtype=tl.float32)
-            ssq_k = tl.zeros([B_T], dtype=tl.float32)
-            b_qs = tl.zeros([B_T, D_V], dtype=tl.float32)
-            b_ks = tl.zeros([B_T, D_V], dtype=tl.float32)
+            b_qk, b_kk, ssq_q, ssq_k, b_qs, b_ks = fresh_sums(B_T, D_V)
 
 
 def multi_verify(x, pool, slots, tree, out, heads: HeadShape, b_k: int, warps: int, stages: int, r: int,
@@ -115,10 +111,7 @@ VARIANTS = [(b_k, w, s, r) for r in (1, 2, 4) for (b_k, w, s) in ((32, 2, 3), (3
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--smoke", action="store_true", help="small heads on the CPU interpreter: the script runs")
+    parser = lab_parser()
     args = parser.parse_args()
     heads, device, cases, variants = HEADS_9B, "cuda", CASES, VARIANTS
     if args.smoke:

@@ -21,8 +21,6 @@ session"): every variant slower, 25-45% (the unrolled loop loses Triton's softwa
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import tempfile
 
@@ -31,7 +29,7 @@ from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from patched_kernel import patched_resident_kernel
-from round_timing import HEADS_9B, RoundSets, best_rows, print_best, show
+from round_timing import lab_parser, print_best, swapped, sweep, write_json
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 8, "random")]
 TILES = [KernelConfig(32, 64, 2, 3), KernelConfig(32, 128, 2, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 2, 3)]
@@ -72,57 +70,26 @@ EARLY = """    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
 
 
 def variants(workdir: pathlib.Path) -> dict:
+    """Each variant's name and the context it runs in (its launcher swapped in for the one run.py calls)."""
     early = [(LOOP, EARLY_LOOP), (PATH, EARLY)]
-    return {
-        "shipped": run_module.RESIDENT,
-        "unroll": FastLauncher(patched_resident_kernel([(LOOP, UNROLLED)], "unroll", workdir)),
-        "early2": FastLauncher(patched_resident_kernel(early + [("    ROWS_FIRST: tl.constexpr = False,\n",
-                                                                  "    ROWS_FIRST: tl.constexpr = False,\n"
-                                                                  "    EARLY_ALL: tl.constexpr = False,\n")],
-                                                       "early2", workdir)),
-        "early_all": FastLauncher(patched_resident_kernel(early + [("    ROWS_FIRST: tl.constexpr = False,\n",
-                                                                     "    ROWS_FIRST: tl.constexpr = False,\n"
-                                                                     "    EARLY_ALL: tl.constexpr = True,\n")],
-                                                          "early_all", workdir)),
-    }
+    switch = "    ROWS_FIRST: tl.constexpr = False,\n"
+    patches = {"unroll": [(LOOP, UNROLLED)],
+               "early2": early + [(switch, switch + "    EARLY_ALL: tl.constexpr = False,\n")],
+               "early_all": early + [(switch, switch + "    EARLY_ALL: tl.constexpr = True,\n")]}
+    launchers = {name: FastLauncher(patched_resident_kernel(p, name, workdir)) for name, p in patches.items()}
+    return {"shipped": None, **{name: (lambda k=k: swapped(run_module, "RESIDENT", k)) for name, k in launchers.items()}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--smoke", action="store_true", help="small heads on the CPU interpreter: the script runs")
+    parser = lab_parser()
     args = parser.parse_args()
-    heads, device, cases, tiles = HEADS_9B, "cuda", CASES, TILES
-    if args.smoke:
-        heads, device, cases, tiles = HeadShape(hk=2, hv=4, dk=64, dv=32), "cpu", [(2, 4, "chain")], \
-            [KernelConfig(16, 32, 4, 1)]
     kernels = variants(pathlib.Path(tempfile.mkdtemp()))
-    shipped = run_module.RESIDENT
-    rows = []
-    for batch, size, kind in cases:
-        sets = RoundSets(heads, batch, size, kind, device)
-        print(f"B={batch} T={size} {kind}: tuned {sets.tuned.variant} {sets.tuned.config}, fold "
-              f"{sets.tuned_fold.variant} {sets.tuned_fold.config}", flush=True)
-        row = {"batch": batch, "tree_size": size, "kind": kind, "tuned": str(sets.tuned.config),
-               "tuned_fold": str(sets.tuned_fold.config), "runs": []}
-        for config in tiles:
-            launch = sets.bench.launch(config=config, variant="stream")
-            for name, kernel in kernels.items():
-                run_module.RESIDENT = kernel  # the launcher run.py calls
-                try:
-                    entry = {"config": str(config), "kernel": name, **sets.measure(launch, args.repeats,
-                                                                                   timed=not args.smoke)}
-                finally:
-                    run_module.RESIDENT = shipped
-                print("   ", show(entry), flush=True)
-                row["runs"].append(entry)
-        rows.append(row)
-        sets.release()
-    best_rows(rows, kernels)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if args.smoke:
+        rows = sweep([(2, 4, "chain")], [KernelConfig(16, 32, 4, 1)], kernels, 1, HeadShape(hk=2, hv=4, dk=64, dv=32),
+                     "cpu", timed=False)
+    else:
+        rows = sweep(CASES, TILES, kernels, args.repeats)
+    write_json(rows, args.json)
     print_best(rows, kernels)
 
 

@@ -10,14 +10,12 @@ Each launch is checked against the float64 reference before it is timed (`round_
 
 from __future__ import annotations
 
-import argparse
-import json
 
 from bole_tune.config import KernelConfig
 from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import resident
 from bole_tune.kernels.verify import run as run_module
-from round_timing import HEADS_9B, RoundSets, best_rows, print_best, show
+from round_timing import lab_parser, print_best, sweep, swapped, write_json
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 8, "random")]
 TILES = [KernelConfig(32, 64, 2, 3), KernelConfig(32, 64, 2, 2), KernelConfig(32, 128, 2, 3)]
@@ -36,34 +34,13 @@ class CappedLauncher:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
-    shipped = run_module.RESIDENT
-    kernels = {f"cap {c}" if c else "no cap": (CappedLauncher(c) if c else shipped) for c in CAPS}
-    rows = []
-    for batch, size, kind in CASES:
-        sets = RoundSets(HEADS_9B, batch, size, kind, "cuda")
-        row = {"batch": batch, "tree_size": size, "kind": kind, "runs": []}
-        print(f"B={batch} T={size} {kind}", flush=True)
-        for config in TILES:
-            launch = sets.bench.launch(config=config, variant="stream")
-            for name, kernel in kernels.items():
-                run_module.RESIDENT = kernel
-                try:
-                    entry = {"config": str(config), "kernel": name, **sets.measure(launch, args.repeats)}
-                finally:
-                    run_module.RESIDENT = shipped
-                print("   ", show(entry), flush=True)
-                row["runs"].append(entry)
-        rows.append(row)
-        sets.release()
-    best_rows(rows, kernels)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print_best(rows, kernels)
+    args = lab_parser(smoke=False).parse_args()
+    capped = {c: CappedLauncher(c) for c in CAPS if c}
+    variants = {f"cap {c}" if c else "no cap": (lambda c=c: swapped(run_module, "RESIDENT", capped[c])) if c else None
+                for c in CAPS}
+    rows = sweep(CASES, TILES, variants, args.repeats)
+    write_json(rows, args.json)
+    print_best(rows, variants)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ folded round with one commit mark for every launch (no memset inside the graph).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+
 import torch
 
 from bole_tune.bench import BenchCase, CaseBench
@@ -69,6 +73,59 @@ class RoundSets:
         del self.bench, self.tree, self.pool, self.inputs, self.outs, self.pending, self.before
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def lab_parser(smoke: bool = True) -> argparse.ArgumentParser:
+    """The options every stream experiment takes: ``--json OUT``, ``--repeats N`` and (``smoke``) ``--smoke``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=30)
+    if smoke:
+        parser.add_argument("--smoke", action="store_true", help="small heads on the CPU interpreter: the script runs")
+    return parser
+
+
+@contextlib.contextmanager
+def swapped(obj, name: str, value):
+    """``obj.name`` set to ``value`` inside the block (a launcher `run.py` calls, a switch), restored after."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def sweep(cases, configs, variants: dict, repeats: int, heads: HeadShape = HEADS_9B, device="cuda",
+          timed: bool = True, launch_for=None) -> list:
+    """Each (batch, tree size, kind) of ``cases``, each stream config of ``configs``, each variant: its errors, verify
+    and folded times (`RoundSets.measure`), printed as they come. ``variants`` maps a name to a function returning
+    the context it runs in (None: as shipped); ``launch_for(launch, name)`` may change a variant's launch. Returns
+    the rows with each variant's best runs (`best_rows`)."""
+    rows = []
+    for batch, size, kind in cases:
+        sets = RoundSets(heads, batch, size, kind, device)
+        print(f"B={batch} T={size} {kind}: tuned {sets.tuned.variant} {sets.tuned.config}, fold "
+              f"{sets.tuned_fold.variant} {sets.tuned_fold.config}", flush=True)
+        row = {"batch": batch, "tree_size": size, "kind": kind, "tuned": str(sets.tuned.config),
+               "tuned_fold": str(sets.tuned_fold.config), "runs": []}
+        for config in configs:
+            base = sets.bench.launch(config=config, variant="stream")
+            for name, context in variants.items():
+                launch = launch_for(base, name) if launch_for else base
+                with context() if context else contextlib.nullcontext():
+                    entry = {"config": str(config), "kernel": name, **sets.measure(launch, repeats, timed)}
+                print("   ", show(entry), flush=True)
+                row["runs"].append(entry)
+        rows.append(row)
+        sets.release()
+    return best_rows(rows, variants)
+
+
+def write_json(rows: list, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def show(entry: dict) -> str:

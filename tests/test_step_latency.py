@@ -11,22 +11,13 @@ from bole_tune.render import GDN_ROUND_LABELS
 from bole_tune.step_latency import GDN_ROUNDS, StepModel, _Weights, measure_step_curve
 from conftest import requires_gpu
 from helpers import assert_close
-
-TINY = """name: Tiny-GDN
-hidden_size: 64
-num_layers: 4
-layers_per_attention: 4
-vocab_size: 100
-attention: {num_heads: 2, num_kv_heads: 1, head_dim: 32}
-gdn: {num_key_heads: 1, num_value_heads: 2, key_head_dim: 32, value_head_dim: 32, conv_width: 4}
-ffn: {kind: dense, intermediate_size: 64}
-"""
+from test_cli import TINY_MODEL
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    path = tmp_path / "tiny-gdn.yaml"
-    path.write_text(TINY)
+    path = tmp_path / "tiny-moe.yaml"
+    path.write_text(TINY_MODEL)
     return load_model(str(path))
 
 
