@@ -190,6 +190,7 @@ class StepModel:
         self.v_cache = torch.randn_like(self.k_cache)
         self.tree_mask = torch.stack([self.tree.ancestor_mask(r, self.device) for r in range(batch)])  # [B, T, T]
         self._block_mask = None
+        self._folds, self._paths = None, None  # `gdn_folded_rounds`' result buffers and paths, made on first use
 
     def gdn_layer(self, verify: str = "bole", commit: str = "layer", out=None, pending=None) -> torch.Tensor:
         """One GDN layer's round: ``verify`` "bole" (the tree step and its commit) or "serial". ``commit`` (bole):
@@ -239,18 +240,14 @@ class StepModel:
         return self.gdn_layer(commit="conv", out=second, pending=PendingCommit(self._paths, first))
 
     def _fold_buffers(self):
-        if getattr(self, "_folds", None) is None:
+        """The two result buffers the folded rounds alternate between, the second holding a verified round."""
+        if self._folds is None:
             stacked = LayerResults.empty(2, self.tree, self.heads, torch.bfloat16, self.device)
             self._folds = (stacked.layer(0, self.tree), stacked.layer(1, self.tree))
             self._paths = PendingPaths.between_rounds(self.tree, self.accepted, self.slots, self.slots,
                                                       self.state.shape[0])
             self.gdn_layer(commit="conv", out=self._folds[1])  # a verified previous round to fold first
         return self._folds
-
-    def all_layer_commit(self, layers: int) -> "_AllLayerCommit":
-        """One `tree_commit_layers` launch over ``layers`` layers' pools (each request's deepest node), ready to
-        time; its layers' results come from this round's verify of each layer's own pool."""
-        return _AllLayerCommit(self, layers)
 
     def gdn_round_us(self, repeats: int) -> dict[str, float]:
         """The layer's round timed each way of `GDN_ROUNDS` (p50, us per layer and round)."""
@@ -259,7 +256,7 @@ class StepModel:
 
         ways = {"verify + commit": time(lambda: self.gdn_layer("bole", "layer"))}
         layers = max(1, self.model.num_gdn_layers)
-        with self.all_layer_commit(layers) as commit:
+        with _AllLayerCommit(self, layers) as commit:
             ways["verify + all-layer commit"] = time(lambda: self.gdn_layer("bole", "conv")) + time(commit, layers)
         ways["folded"] = time(self.gdn_folded_rounds, 2)
         return ways
@@ -287,7 +284,8 @@ class StepModel:
 
 
 class _AllLayerCommit:
-    """The layers' stacked pools and results of `StepModel.all_layer_commit`; freed on leaving the ``with``."""
+    """One `tree_commit_layers` launch over ``layers`` layers' pools (each request's deepest node), ready to time:
+    the stacked pools and each layer's verified results, made on entering the ``with`` and freed on leaving it."""
 
     def __init__(self, m: StepModel, layers: int):
         self.m, self.layers = m, layers
