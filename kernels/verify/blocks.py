@@ -191,3 +191,52 @@ def fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, k_ptr, H_K, D_K: tl.
     b_kp = tl.load(k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
                    other=0).to(tl.float32)
     return decay_p * b_s + tl.dot(b_upw, b_kp, input_precision=FOLD_DOT)
+
+
+@triton.jit
+def ring_tokens(slot, i_h, i_hk, rows_ptr, last_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_P: tl.constexpr):
+    """The pending tokens of a `PendingRing` slot (docs/math.md §4, "A ring of pending rounds"): ``rows_ptr`` the
+    ring's ``[num_slots, B_P]`` table of arena rows (-1: empty), ``last_ptr`` its flags (1 on each round's accepted
+    node), in the order the rounds were accepted. A token ``j`` of round ``rho`` decays by its own path
+    (``logP_a(rho) - logP_j``) and by every later round's accepted ``logP``: with ``t`` the accepted nodes' ``logP``
+    (0 elsewhere), ``L - L_j = sum_{i >= j} t_i - logP_j``. Returns (rows, mask, weights ``exp(L - L_j) * k_scale_j``,
+    decay ``exp(L)``, pending: the slot holds a token)."""
+    o_p = tl.arange(0, B_P)
+    rows = tl.load(rows_ptr + slot * B_P + o_p).to(tl.int64)
+    last = tl.load(last_ptr + slot * B_P + o_p)
+    m_p = rows >= 0
+    rows = tl.where(m_p, rows, 0)
+    logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
+    scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
+    ends = tl.where(m_p & (last != 0), logp_p, 0.0)
+    weight = tl.where(m_p, tl.exp(tl.cumsum(ends, 0, reverse=True) - logp_p) * scale_p, 0.0)
+    decay = tl.exp(tl.sum(ends, 0))
+    pending = tl.max(m_p.to(tl.int32), 0) > 0
+    return rows, m_p, weight, decay, pending
+
+
+@triton.jit
+def pending_corrections(b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                        rows_p, m_p, weight_p, decay_p, o_v, i_h, u_ptr, kp_ptr, H_V, H_K,
+                        D_K: tl.constexpr, D_V: tl.constexpr, GRAM_DTYPE: tl.constexpr, GRAM_DOT: tl.constexpr,
+                        DOT: tl.constexpr):
+    """The products ``Q S'^T`` and ``K S'^T`` of the state the pending tokens would leave, from the products with
+    the state as it is (``b_qs``, ``b_ks``, ``[B_T, b_v]``), without writing it (docs/math.md §4):
+
+        S' x = P (S x) + sum_j w_j (k_j . x) u_j
+
+    The dot products ``Q Kp^T`` and ``K Kp^T`` are taken once, from whole key rows on the inputs' 16-bit operands
+    (as the Gram products are, at ``GRAM_DOT``), after the state's stream: its key steps stay the plain verify's;
+    the final ``[B_T, B_P] x [B_P, b_v]`` products at ``DOT``."""
+    o_d = tl.arange(0, D_K)
+    b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_d[None, :], mask=m_i[:, None], other=0)
+    b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_d[None, :], mask=m_i[:, None], other=0)
+    b_kp = tl.load(kp_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_d[None, :], mask=m_p[:, None],
+                   other=0).to(GRAM_DTYPE)
+    b_qp = tl.dot(b_q.to(GRAM_DTYPE), tl.trans(b_kp), input_precision=GRAM_DOT)
+    b_kq = tl.dot(b_k.to(GRAM_DTYPE), tl.trans(b_kp), input_precision=GRAM_DOT)
+    b_up = tl.load(u_ptr + rows_p[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+    b_up = b_up * weight_p[:, None]
+    b_qs = decay_p * b_qs + tl.dot(b_qp, b_up, input_precision=DOT)
+    b_ks = decay_p * b_ks + tl.dot(b_kq, b_up, input_precision=DOT)
+    return b_qs, b_ks

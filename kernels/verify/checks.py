@@ -14,6 +14,7 @@ from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, requ
                       slot_checks, validation_enabled)
 from .pending import path_width
 from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
+from .ring import RingRead, RingResults, RingRound
 
 
 _F32 = torch.float32
@@ -307,3 +308,35 @@ def _explain_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult 
     if isinstance(out, TreeVerifyResult) and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):
         raise ValueError("out: shares memory with pending.result; the verification would overwrite the factors it "
                          "commits (alternate two result buffers between rounds)")
+
+
+def check_ring(ring, shape: VerifyShape, tree: TreeBatch, dtype, device, out, pending) -> None:
+    """Check `tree_verify`'s ``ring`` (a `RingRead`: this round of a `PendingRing` and one layer's arena); raise
+    naming the field. Host-side only: the tables' values are the ring's own (`PendingRing.end` checks what it
+    appends under validation)."""
+    if not isinstance(ring, RingRead) or not isinstance(ring.step, RingRound) or not isinstance(ring.results, RingResults):
+        raise TypeError(f"ring: expected a RingRead (PendingRing.begin(tree).layer(results)), got {type(ring).__name__}")
+    if pending is not None:
+        raise ValueError("ring, pending: give one (a ring keeps the pending rounds itself)")
+    if out is not None:
+        raise ValueError("out: with ring=, the result is written into the ring's arena (ring.results.at(position)); "
+                         "leave out unset")
+    step, arena, table = ring.step, ring.results, ring.step.ring
+    if step.tree is not tree:
+        raise ValueError("ring: planned for other trees (call PendingRing.begin with this round's tree)")
+    if shape.num_slots != table.num_slots:
+        raise ValueError(f"ring: built for {table.num_slots} slots but the state pool has {shape.num_slots}")
+    h, p, n = shape.heads, table.rounds + 1, table.capacity
+    expected = {"o": ((p, n, h.hv, h.dv), dtype), "u": ((p, n, h.hv, h.dv), _F32), "log_decay": ((p, n, h.hv), _F32),
+                "k": ((p, n, h.hk, h.dk), dtype), "k_scale": ((p, n, h.hk), _F32),
+                "committed": ((p, table.max_requests), torch.int32)}
+    for name, (size, dt) in expected.items():
+        x = getattr(arena, name)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != size or x.dtype != dt or not x.is_contiguous():
+            raise ValueError(f"ring.results.{name}: expected a contiguous {dt} tensor of shape {size} "
+                             f"(PendingRing.results(heads, dtype)), got {getattr(x, 'dtype', None)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        if x.device != device:
+            raise ValueError(f"ring.results.{name}: on device {x.device} but the inputs are on {device}")
+    if table.device != device:
+        raise ValueError(f"ring: its tables are on device {table.device} but the inputs are on {device}")

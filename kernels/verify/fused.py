@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_path, qk_chunk_gram, solve_factors,
-                     state_products)
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_path,
+                     qk_chunk_gram, ring_tokens, solve_factors, state_products)
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -37,7 +37,8 @@ def tree_verify_fused_kernel(
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
-    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
+    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`); with RING the
+    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`)
     fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, max_blocks, H_V, H_K,
@@ -48,6 +49,7 @@ def tree_verify_fused_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
+    RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -63,10 +65,15 @@ def tree_verify_fused_kernel(
     o_v = i_v * B_V + tl.arange(0, B_V)
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v
     if FOLD:
-        rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P)
-        b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        if RING:
+            rows_p, m_p, weight_p, decay_p, pending = ring_tokens(
+                slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_P)
+        else:
+            rows_p, m_p, weight_p, decay_p, pending = pending_path(
+                i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
+                epoch, H_V, H_K, B_P)
+        if not CORRECT:
+            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
 
     for i_b in range(0, tl.cdiv(num_nodes, B_T)):
         o_i = i_b * B_T + tl.arange(0, B_T)
@@ -86,7 +93,7 @@ def tree_verify_fused_kernel(
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
             b_s = tl.load(p_state + o_k[None, :])
-            if FOLD:  # the first block commits the previous round into the tile; later blocks read it back
+            if FOLD and not CORRECT:  # the first block commits the pending tokens into the tile; later blocks read it
                 fold_now = pending & (i_b == 0)
                 b_s = fold_apply(b_s, b_upw, rows_p, m_p & fold_now, tl.where(fold_now, decay_p, 1.0), o_k, i_hk,
                                  fold_k_ptr, H_K, D_K, FOLD_DOT)
@@ -97,6 +104,11 @@ def tree_verify_fused_kernel(
                 D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
             # one tf32 product: the resident kernel's state split was slower here and miscompiled
             b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, False)
+        if CORRECT:  # every block reads the state through the pending tokens, which is never written
+            b_qs, b_ks = pending_corrections(
+                b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
         r_q, r_k = norm_scales(ssq_q, ssq_k, scale, B_T, USE_QK_L2NORM)
 
         # 2. logP_i: sum of g over the node and its ancestors (all in this or earlier blocks)

@@ -39,8 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_path, qk_chunk_gram, solve_factors,
-                     state_products, state_products_rows_first)
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_path,
+                     qk_chunk_gram, ring_tokens, solve_factors, state_products, state_products_rows_first)
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -54,7 +54,8 @@ def tree_verify_resident_kernel(
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
-    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`)
+    # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`); with RING the
+    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`)
     fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
     # scalars and strides
     scale, H_V, H_K,
@@ -67,7 +68,7 @@ def tree_verify_resident_kernel(
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
-    ROWS_FIRST: tl.constexpr = False,
+    ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -90,10 +91,16 @@ def tree_verify_resident_kernel(
     b_g = floored(tl.load(g_ptr + rows * stride_g_n + i_h * stride_g_h, mask=m_i, other=0).to(tl.float32))
 
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    # FOLD: pending tokens, written into the slot as it is read; with CORRECT applied to the products instead
+    # (`blocks.pending_corrections`; the slot is not written)
     if FOLD:
-        rows_p, m_p, weight_p, decay_p, pending = pending_path(
-            i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
-            H_V, H_K, B_P)
+        if RING:
+            rows_p, m_p, weight_p, decay_p, pending = ring_tokens(
+                slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_P)
+        else:
+            rows_p, m_p, weight_p, decay_p, pending = pending_path(
+                i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
+                epoch, H_V, H_K, B_P)
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
@@ -109,7 +116,7 @@ def tree_verify_resident_kernel(
         else:
             b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
             b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
-        if FOLD:
+        if FOLD and not CORRECT:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
@@ -118,13 +125,18 @@ def tree_verify_resident_kernel(
                 q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
                 stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
                 D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
-            if FOLD:
+            if FOLD and not CORRECT:
                 b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
                 tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
             if ROWS_FIRST:
                 b_qs, b_ks = state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)
             else:
                 b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+        if CORRECT:  # run.py never pairs CORRECT with ROWS_FIRST
+            b_qs, b_ks = pending_corrections(
+                b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
         b_w, b_m, a_q, a_k = head_factors(
             b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
             logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
@@ -153,7 +165,7 @@ def tree_verify_resident_kernel(
             o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
             b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
             b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
-            if FOLD:
+            if FOLD and not CORRECT:
                 b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
             for i_k in range(0, D_K, B_K):
                 o_k = i_k + tl.arange(0, B_K)
@@ -162,10 +174,15 @@ def tree_verify_resident_kernel(
                 b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                               mask=m_i[:, None], other=0)
                 b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
-                if FOLD:
+                if FOLD and not CORRECT:
                     b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
                     tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
                 b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
+            if CORRECT:
+                b_qs, b_ks = pending_corrections(
+                    b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                    rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                    GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
             readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
                     H_V, D_V, DOT_PRECISION)
 

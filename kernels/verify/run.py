@@ -16,6 +16,7 @@ from .planner import Launch
 from .resident import tree_verify_resident_kernel
 
 from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
+from .ring import RingRead
 
 RESIDENT = FastLauncher(tree_verify_resident_kernel)
 FUSED = FastLauncher(tree_verify_fused_kernel)
@@ -40,10 +41,12 @@ _NO_FOLD = (None,) * 7 + (0,)
 
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
-               res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None) -> TreeVerifyResult:
+               res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None,
+               ring: RingRead | None = None) -> TreeVerifyResult:
     """Run ``launch`` on checked inputs, writing into ``res``. The two kernels take the same arguments
     but for the fused one's block-table width and the resident one's value split and switches; with
-    ``pending``, both first commit the previous round's accepted paths into the slots they read.
+    ``pending``, both first commit the previous round's accepted paths into the slots they read; with ``ring``, they
+    read the slots through a `PendingRing`'s pending tokens (a write round: fold them in and write the slots).
 
     The launch is keyed (`FastLauncher.launch_keyed`) on what decides its binary beyond the checked shapes and
     dtypes: the launch, the input, gate and index dtypes, the strides, and whether every tensor is 16-byte aligned
@@ -66,7 +69,14 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
     tensors = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
                o, u, log_decay, k_out, k_scale, committed)
-    if pending is None:  # the fold's pointers are never read: None keeps the launch short
+    correct = False
+    if ring is not None:  # the ring's tables and this layer's arena take the fold's arguments (`blocks.ring_tokens`)
+        table, arena, correct = ring.step.ring, ring.results, not ring.step.write
+        fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
+        width = table.width
+        fold_key = ("ring", correct, arena.k.dtype, width)
+        tensors += fold[:7]
+    elif pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold, fold_key, width = _NO_FOLD, None, 16
     else:
         paths, prev = pending.paths, pending.result
@@ -80,12 +90,12 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     gs, bs, ss = g.stride(), beta.stride(), state.stride()
     sizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1], ss[0], ss[1], ss[2])
     scalars = (shape.scale, *blocks, *sizes)
-    if pending is None:
+    if pending is None and ring is None:
         fast_args = (*pointers, *_NO_FOLD, *scalars)
     else:
         fast_args = (*pointers, fold[7], *scalars)
-    rows_first = (launch.variant == "stream" and not launch.state_split
-                  and ROWS_FIRST["verify" if pending is None else "fold"])
+    rows_first = (launch.variant == "stream" and not launch.state_split and not correct
+                  and ROWS_FIRST["verify" if pending is None and ring is None else "fold"])
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
                                   state_indices.dtype, use_qk_l2norm, fold_key, rows_first, *sizes)
 
@@ -98,10 +108,10 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                      "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first}
         else:
             extra = {}
-        if pending is None:
+        if pending is None and ring is None:
             extra.update(FOLD=False)
         else:
-            extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width)
+            extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width, RING=ring is not None, CORRECT=correct)
         return dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
                     USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
                     num_warps=config.num_warps, num_stages=config.num_stages)

@@ -7,15 +7,18 @@ tiles and switches (`planner.py`), and `run.py` launches it.
 
 from __future__ import annotations
 
+import torch
+
 from bole_tune.config import KernelConfig
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
 from ..common import use_triton, validation_enabled
 from ..reference import commit_pending_closed_form, verify_closed_form
-from .checks import check_pending, check_verify_inputs
+from .checks import check_pending, check_ring, check_verify_inputs
 from .planner import Launch, Planner
 from .result import PendingCommit, TreeVerifyResult, result_buffers
+from .ring import RingRead, ring_states
 from .run import run_launch
 from .self_check import check_resident
 
@@ -32,7 +35,7 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
                 config: KernelConfig | None = None, validate: bool | None = None,
                 out: TreeVerifyResult | None = None, variant: str | None = None,
                 v_split: int | None = None, launch: Launch | None = None,
-                pending: PendingCommit | None = None) -> TreeVerifyResult:
+                pending: PendingCommit | None = None, ring: RingRead | None = None) -> TreeVerifyResult:
     """Verify every node of ``tree`` through one GDN layer; never writes ``state``.
 
     Args:
@@ -57,20 +60,28 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
             committed state. Requests with nothing pending (-1 in the paths' request map) read their slot
             as it is; a slot whose request left must be committed with `tree_commit` (the flush). ``out``
             must not share memory with ``pending.result``: alternate two result buffers between rounds.
+        ring: instead of ``pending``, this round of a `PendingRing` with this layer's arena
+            (``ring.begin(tree).layer(results)``, `ring.py`): the slots are read through up to ``R`` rounds of
+            pending tokens and not written, but in every ``R``-th round, which folds them in and writes the slots.
+            The result is written into the arena (``out`` stays unset).
 
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
     """
     validate = validation_enabled(validate)  # resolved once (the environment is read once per call)
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
-    if pending is not None:
+    if ring is not None:
+        check_ring(ring, shape, tree, q.dtype, q.device, out, pending)
+        out = ring.results.at(ring.step.position, tree)
+    elif pending is not None:
         check_pending(pending, shape, q.device, out, validate)
     use_qk_l2norm = bool(use_qk_l2norm)
     if launch is None:
         launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
                               max_tree_size=tree.max_tree_size, depth=tree.depth, device=q.device, config=config,
                               variant=variant, v_split=v_split, scale=shape.scale,
-                              use_qk_l2norm=use_qk_l2norm, gate_dtype=g.dtype, fold=pending is not None)
+                              use_qk_l2norm=use_qk_l2norm, gate_dtype=g.dtype,
+                              fold=pending is not None or (ring is not None and ring.step.write))
     else:
         if (config, variant, v_split) != (None, None, None):
             raise ValueError("launch: give either a launch or config/variant/v_split, not both")
@@ -79,7 +90,13 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     if not use_triton(q.device):
         if pending is not None:
             commit_pending_closed_form(state, state_indices, pending)
+        if ring is not None:  # the states through the pending tokens: written in a write round, else a copy read
+            read = ring_states(state, state_indices, ring.step.ring, ring.results)
+            if ring.step.write:
+                state[state_indices.long()] = read
+            else:
+                state, state_indices = read, torch.arange(len(state_indices), device=state.device)
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
     res = result_buffers(shape, q.dtype, q.device, tree, out)
-    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, use_qk_l2norm, pending)
+    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, use_qk_l2norm, pending, ring)

@@ -1,0 +1,143 @@
+"""The ring of pending rounds (`PendingRing`): over many rounds, with requests joining, leaving (flushed or
+dropped) and staying, every output equals the float64 node-by-node recurrence run round after round, the slots
+are written only in write rounds (and then hold the recurrence's state), and a flush leaves the recurrence's
+state in the pool."""
+
+import random
+
+import pytest
+import torch
+
+from bole_tune.config import KernelConfig
+from bole_tune.kernels import PendingRing, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.shapes import HeadShape
+from bole_tune.workloads import make_inputs, make_tree
+from helpers import TOLERANCE, assert_close
+from test_folded_commit import accepted_of
+
+F32, BF16 = torch.float32, torch.bfloat16
+NUM_SLOTS = 8
+HEADS = HeadShape(hk=2, hv=4, dk=32, dv=32)
+
+# id -> (variant, dtype, rounds R, tree kind, rounds to run[, config])
+CASES = {
+    "stream-bf16-chains-R3": ("stream", BF16, 3, "chain", 8),
+    "stream-key-steps-bf16-trees-R2": ("stream", BF16, 2, "random", 6, KernelConfig(16, 16, 4, 1)),
+    "resident-fp32-trees-R3": ("resident", F32, 3, "random", 7),
+    "fused-fp32-trees-R2": ("fused", F32, 2, "random", 6),
+    "fused-bf16-multi-block-R2": ("fused", BF16, 2, "chain", 4),
+    "stream-fp32-chains-R1": ("stream", F32, 1, "chain", 4),
+}
+
+
+def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, seed=3):
+    rng = random.Random(seed)
+    max_size = 70 if variant == "fused" and kind == "chain" and dtype == BF16 else 12
+    max_path = 8 if kind == "random" else max_size
+    ring = PendingRing(NUM_SLOTS, rounds, max_path, capacity=4 * max_size, max_requests=4, device=device)
+    arena = ring.results(HEADS, dtype)
+    pool = make_inputs(make_tree([1], device=device), HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, F32, device,
+                       num_slots=NUM_SLOTS).state
+    truth = pool.clone()  # the recurrence's pool, committed round by round (float64 inside each round)
+    active = rng.sample(range(NUM_SLOTS), 3)
+    writes = 0
+    for index in range(num_rounds):
+        if index:  # one request leaves (its tokens flushed or dropped), one joins a free slot
+            leaver = active.pop(rng.randrange(len(active)))
+            gone = torch.tensor([leaver], dtype=torch.int32, device=device)
+            if rng.random() < 0.5:
+                ring.flush(gone, [pool], [arena])
+                assert_close(pool[leaver], truth[leaver], TOLERANCE[F32], f"round {index}: the flushed slot")
+            else:
+                ring.drop(gone)
+                pool[leaver] = 0
+                truth[leaver] = 0
+            active.append(rng.choice([s for s in range(NUM_SLOTS) if s not in active]))
+            if rng.random() < 0.5 and len(active) < 4:
+                active.append(rng.choice([s for s in range(NUM_SLOTS) if s not in active]))
+        slots = torch.tensor(active, dtype=torch.int32, device=device)
+        sizes = [rng.randint(1, max_size) for _ in active]
+        tree = make_tree(sizes, kind, max_depth=max_path - 1, seed=index, device=device)
+        x = make_inputs(tree, HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, dtype, device, seed=20 + index)
+        step = ring.begin(tree)
+        before = pool.clone()
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, config=config,
+                          ring=step.layer(arena))
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
+        assert_close(res.o, ref.o, TOLERANCE[dtype], f"round {index} ({'write' if step.write else 'read'}) outputs")
+        if step.write:
+            writes += 1
+            assert_close(pool[slots.long()], truth[slots.long()], TOLERANCE[F32], f"round {index}: the written slots")
+        else:
+            assert torch.equal(pool, before), f"round {index}: a read round wrote the pool"
+        accepted = torch.tensor([accepted_of(rng, tree, r) for r in range(len(sizes))], device=device)
+        truth = ref.committed(truth, slots, tree, accepted).float()
+        ring.end(step, slots, accepted, validate=True)
+    ring.flush(torch.tensor(active, dtype=torch.int32, device=device), [pool], [arena])
+    assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
+    assert int(ring.count.sum()) == 0
+    return writes
+
+
+@pytest.mark.parametrize("case", [*CASES, "fallback"], ids=[*CASES, "pytorch-fallback"])
+def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
+    if case == "fallback":  # off a GPU without the interpreter: the PyTorch closed form does the same
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device, case = "cpu", "resident-fp32-trees-R3"
+    writes = run_rounds(device, *CASES[case])
+    variant, dtype, rounds, kind, num_rounds, *_ = CASES[case]
+    assert writes == (num_rounds - 1) // rounds  # rounds R, 2R, ...: the first R rounds read
+
+
+def test_ring_rounds_write_every_r_rounds(device):
+    ring = PendingRing(NUM_SLOTS, 3, 4, capacity=16, max_requests=4, device=device)
+    tree = make_tree([4, 4], "chain", device=device)
+    slots = torch.tensor([1, 5], dtype=torch.int32, device=device)
+    plan = []
+    for _ in range(7):
+        step = ring.begin(tree)
+        plan.append((step.position, step.write))
+        ring.end(step, slots, torch.tensor([3, 1], device=device))
+    assert plan == [(0, False), (1, False), (2, False), (3, True), (0, False), (1, False), (2, True)]
+    # after the last write round the tables hold that round's paths only: 4 and 2 tokens, ending at each accepted node
+    assert ring.count.tolist() == [0, 4, 0, 0, 0, 2, 0, 0]
+    assert ring.last[1].tolist()[:4] == [0, 0, 0, 1] and ring.last[5].tolist()[:2] == [0, 1]
+    assert ring.rows[1].tolist()[:4] == [2 * 16 + r for r in range(4)]
+
+
+def test_ring_mistakes_are_refused(device):
+    ring = PendingRing(NUM_SLOTS, 2, 4, capacity=16, max_requests=2, device=device)
+    arena = ring.results(HEADS, F32)
+    tree = make_tree([4, 4], "chain", device=device)
+    x = make_inputs(tree, HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, F32, device, num_slots=NUM_SLOTS)
+    with pytest.raises(ValueError, match="tree: depth 7 gives paths of 8 nodes"):
+        ring.begin(make_tree([8], "chain", device=device))
+    with pytest.raises(ValueError, match="tree: 3 requests"):
+        ring.begin(make_tree([1, 1, 1], device=device))
+    with pytest.raises(ValueError, match="rounds: expected a positive int"):
+        PendingRing(NUM_SLOTS, 0, 4, 16, 2, device)
+    step = ring.begin(tree)
+    with pytest.raises(ValueError, match="out: with ring="):
+        tree_verify(*x.args(tree), ring=step.layer(arena), out=tree_verify(*x.args(tree)))
+    with pytest.raises(ValueError, match="ring: planned for other trees"):
+        other = make_tree([4, 4], "chain", device=device)
+        tree_verify(*x.args(other), ring=step.layer(arena))
+    with pytest.raises(ValueError, match="ring.results.o: expected a contiguous torch.float32"):
+        tree_verify(*x.args(tree), ring=step.layer(ring.results(HEADS, BF16)))
+    with pytest.raises(TypeError, match="ring: expected a RingRead"):
+        tree_verify(*x.args(tree), ring=step)
+    small = PendingRing(4, 2, 4, 16, 2, device)
+    with pytest.raises(ValueError, match="ring: built for 4 slots"):
+        tree_verify(*x.args(tree), ring=small.begin(tree).layer(small.results(HEADS, F32)))
+    with pytest.raises(ValueError, match="accepted: has an entry out of range"):
+        ring.end(step, x.state_indices, torch.tensor([4, 0], device=device), validate=True)
+    with pytest.raises(ValueError, match="accepted: expected an int32 or int64 tensor of shape"):
+        ring.end(step, x.state_indices, torch.tensor([0.0, 1.0], device=device))
+    # a write round must see every slot with pending tokens (a leaver's are flushed or dropped first)
+    ring.end(step, x.state_indices, torch.tensor([3, 3], device=device))
+    ring.end(ring.begin(tree), x.state_indices, torch.tensor([3, 3], device=device))
+    step = ring.begin(tree)
+    assert step.write
+    with pytest.raises(ValueError, match="a slot with pending tokens is missing from a write round"):
+        ring.end(step, x.state_indices[:1].repeat(2), torch.tensor([0, 0], device=device), validate=True)
