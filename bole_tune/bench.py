@@ -19,8 +19,8 @@ import triton
 
 from bole_tune import __version__
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, serial_verify, tree_commit,
-                               tree_commit_layers, tree_verify)
+from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, PendingRing, serial_verify,
+                               tree_commit, tree_commit_layers, tree_verify)
 from bole_tune.kernels.reference import commit_closed_form, verify_reference
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape, dtype_name
@@ -29,6 +29,9 @@ from bole_tune.workloads import make_inputs, make_tree, relative_error
 
 COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (BENCHMARKS.md, "How figures are measured")
 CHECK_BATCH = 2  # requests in the reference instance: the kernels do not depend on the batch size
+RING_ROUNDS = 4
+"""The rounds a `PendingRing` keeps pending in `bole-tune bench`'s ring rows: the best of 4 and 8 for B=16 4-node
+chains in `lab/ring_after.py` (a read round's corrections grow with the tokens held; BENCHMARKS.md)."""
 
 
 class WrongResult(AssertionError):
@@ -213,6 +216,49 @@ class CaseBench:
 
         return time_launches(folded, len(inputs), self.device, repeats=repeats)
 
+    def time_ring(self, rounds: int = RING_ROUNDS, layers: int = 1, repeats: int = 50) -> dict[str, Timing]:
+        """A `PendingRing` of ``rounds`` rounds, each request accepting its deepest node every round (the most
+        tokens): ``ring_read`` a read round's verify with the tables holding ``rounds - 1`` rounds (the fullest a read
+        round sees), ``ring_write`` the write round's verify (all ``rounds`` rounds folded in and written),
+        ``ring_end`` the round's table update (once per round for every layer, shown per layer over ``layers``),
+        and ``round_ring`` one layer's round over a cycle: ``((R - 1) read + write) / R + end / layers``."""
+        tree, pool, inputs, slots = self.sets(64)
+        c, accepted = self.case, self.deepest(tree)
+        read_launch, write_launch = self.launch(), self.launch(fold=True)
+        rings = []
+        for i, x in enumerate(inputs):
+            ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, c.batch, self.device)
+            arena = ring.results(c.shape, c.dtype)
+            for _ in range(rounds - 1):
+                step = ring.begin(tree)
+                tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, ring=step.layer(arena),
+                            launch=write_launch if step.write else read_launch)
+                ring.end(step, slots[i], accepted)
+            rings.append((ring, arena))
+
+        def verify(i, launch):
+            ring, arena = rings[i]
+            x = inputs[i]
+            tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, launch=launch,
+                        ring=ring.begin(tree).layer(arena))
+
+        read = time_launches(lambda i: verify(i, read_launch), len(inputs), self.device, repeats=repeats)
+        steps = [ring.begin(tree) for ring, _ in rings]
+        end = time_launches(lambda i: rings[i][0].end(steps[i], slots[i], accepted, validate=False), len(inputs),
+                            self.device, repeats=repeats)
+        for (ring, _), step in zip(rings, steps):  # the tables now hold R rounds: the next round writes
+            ring.held, ring.rounds_begun = rounds, step.position + 1
+        write = time_launches(lambda i: verify(i, write_launch), len(inputs), self.device, repeats=repeats)
+
+        def cycle(a: float, b: float, e: float) -> float:
+            return ((rounds - 1) * a + b) / rounds + e / layers
+
+        method = (f"{read.method}; R={rounds}: ((R - 1) read round + write round) / R + the round's table update / "
+                  f"{layers} layers")
+        return {"ring_read": read, "ring_write": write, "ring_end": end,
+                "round_ring": Timing(cycle(read.p20_us, write.p20_us, end.p20_us), cycle(read.p50_us, write.p50_us, end.p50_us),
+                                     cycle(read.p80_us, write.p80_us, end.p80_us), method=method, samples=read.samples)}
+
     def time_rounds(self, layers: int, repeats: int = 50) -> dict[str, Timing]:
         """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
 
@@ -221,7 +267,8 @@ class CaseBench:
         tree_commit_layers: one commit launch for ``layers`` layers, per layer (one set: the layers'
             states already exceed the L2 cache);
         round_serial: `serial_verify` then a copy of one state per request, what a snapshot engine's commit
-            is (a copy of the accepted node's snapshot into the slot).
+            is (a copy of the accepted node's snapshot into the slot);
+        round_ring (with ring_read, ring_write, ring_end): a `PendingRing` of `RING_ROUNDS` rounds (`time_ring`).
         """
         tree, pool, inputs, slots = self.sets(64)
         launch, accepted = self.launch(), self.deepest(tree)
@@ -234,7 +281,8 @@ class CaseBench:
                                                     out=outs[i]), accepted)
 
         timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
-                   "round_folded": self.time_folded(self.launch(fold=True), repeats)}
+                   "round_folded": self.time_folded(self.launch(fold=True), repeats),
+                   **self.time_ring(RING_ROUNDS, layers, repeats)}
         x, h = inputs[0], self.case.shape
         stacked = LayerResults.empty(layers, tree, h, self.case.dtype, self.device)
         states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot
@@ -300,9 +348,13 @@ def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50,
     rows = []
     for kernel, timing in bench.time_rounds(layers, repeats).items():
         row = _row(kernel, case, timing, device)
-        floor = (2 * case.state_bytes() if kernel == "tree_commit_layers" else case.floor_bytes() + case.state_bytes())
+        floor = {"tree_commit_layers": 2 * case.state_bytes(), "ring_read": case.floor_bytes(), "ring_end": 0,
+                 "round_ring": case.floor_bytes() + case.state_bytes() / RING_ROUNDS}.get(
+            kernel, case.floor_bytes() + case.state_bytes())
         row["floor_us"] = round(floor / COPY_BANDWIDTH_H200 * 1e6, 2)
         row["floor_fraction"] = round(row["floor_us"] / row["p50_us"], 3)
+        if kernel.startswith(("ring", "round_ring")):
+            row["ring_rounds"] = RING_ROUNDS
         rows.append(row)
     return rows
 

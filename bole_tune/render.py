@@ -230,7 +230,7 @@ def bench(rows) -> Table:
               for r in rows if r["kernel"] in ("serial_verify", "round_serial")}
     for r in rows:
         key = (r["label"], r["hv"], r["batch"], r["tree_size"], r["kernel"].startswith("round"))
-        compared = r["kernel"] in ("tree_verify", "round_verify_commit", "round_folded")
+        compared = r["kernel"] in ("tree_verify", "round_verify_commit", "round_folded", "round_ring")
         speedup = f"{serial[key] / r['p50_us']:.1f}x" if compared and key in serial else ""
         kernel = f"{r['kernel']} ({r['variant']})" if "variant" in r else r["kernel"]
         t.add_row(r["label"], str(r["hv"]), str(r["batch"]), str(r["tree_size"]), kernel, f"{r['p50_us']:.1f}",
