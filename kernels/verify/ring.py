@@ -87,6 +87,8 @@ class PendingRing:
         self.num_slots, self.rounds, self.max_path = num_slots, rounds, max_path
         self.capacity, self.max_requests = capacity, max_requests
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare equal to the tensors' cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.width = max(16, 1 << (rounds * max_path - 1).bit_length())
         # flat tables with one spare entry past the end, where the appends of nothing land
         self._rows = torch.full((num_slots * self.width + 1,), -1, dtype=torch.int32, device=self.device)
