@@ -16,6 +16,7 @@ from rich.console import Console
 from bole_tune import database, render
 from bole_tune.arguments import (MAX_CONTEXT, MAX_REPEATS, MAX_TREE_DEPTH, MIN_REPEATS, check_outputs, integer,
                                  integers, seconds, write_or_rescue)
+from bole_tune.config import RING_ROUNDS
 from bole_tune.fingerprint import fingerprint
 from bole_tune.profiles import DEFAULT_MODELS
 from bole_tune.shapes import DTYPES, SUPPORTED_HEAD_DIMS
@@ -66,7 +67,7 @@ def cmd_bench(args) -> int:
     models = [_call(resolve_model, m) for m in (args.model or ["qwen3.5-9b"])]
     run = run_cases(models, args.batch, args.tree_size, DTYPES[args.dtype], args.max_depth, args.repeats,
                     serial=not args.no_serial, commit=not args.no_commit, chain=args.chain,
-                    progress=lambda rows: console.print(render.bench_progress(rows)))
+                    ring_rounds=args.ring_rounds, progress=lambda rows: console.print(render.bench_progress(rows)))
     env = run.environment
     console.print(f"[yellow]{run.cpu_note}[/]" if run.cpu_note else
                   f"[bold]bole-tune bench[/] on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
@@ -421,6 +422,8 @@ COMMANDS = {
                "--no-serial": {**FLAG, "help": "skip the serial baseline"},
                "--no-commit": {**FLAG, "help": "skip tree_commit and the rounds"},
                "--chain": {**FLAG, "help": "each request a chain of T nodes (an MTP drafter's proposal)"},
+               "--ring-rounds": {"type": int, "default": RING_ROUNDS, "choices": range(1, 17), "metavar": "R",
+                                 "help": f"rounds a PendingRing keeps pending in the ring rows (default {RING_ROUNDS})"},
                "--repeats": {**REPEATS, "default": 50}, "--lookup": {**FLAG, "help": "only time the runtime lookup"},
                "--json": {"type": Path, "help": "also write the rows as JSON to this file"}}),
     "step": (cmd_step, "measure the whole verification step of each model (needs a GPU)",

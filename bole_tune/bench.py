@@ -18,7 +18,7 @@ import torch
 import triton
 
 from bole_tune import __version__
-from bole_tune.config import KernelConfig
+from bole_tune.config import RING_ROUNDS, KernelConfig
 from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, PendingRing, serial_verify,
                                tree_commit, tree_commit_layers, tree_verify)
 from bole_tune.kernels.reference import commit_closed_form, verify_reference
@@ -29,9 +29,6 @@ from bole_tune.workloads import make_inputs, make_tree, relative_error
 
 COPY_BANDWIDTH_H200 = 4.25e12  # bytes/s, read + write, measured (BENCHMARKS.md, "How figures are measured")
 CHECK_BATCH = 2  # requests in the reference instance: the kernels do not depend on the batch size
-RING_ROUNDS = 4
-"""The rounds a `PendingRing` keeps pending in `bole-tune bench`'s ring rows: the best of 4 and 8 for B=16 4-node
-chains in `lab/ring_after.py` (a read round's corrections grow with the tokens held; BENCHMARKS.md)."""
 
 
 class WrongResult(AssertionError):
@@ -216,15 +213,17 @@ class CaseBench:
 
         return time_launches(folded, len(inputs), self.device, repeats=repeats)
 
-    def time_ring(self, rounds: int = RING_ROUNDS, layers: int = 1, repeats: int = 50) -> dict[str, Timing]:
+    def time_ring(self, rounds: int = RING_ROUNDS, layers: int = 1, repeats: int = 50, read_launch: Launch | None = None,
+                  write_launch: Launch | None = None) -> dict[str, Timing]:
         """A `PendingRing` of ``rounds`` rounds, each request accepting its deepest node every round (the most
         tokens): ``ring_read`` a read round's verify with the tables holding ``rounds - 1`` rounds (the fullest a read
         round sees), ``ring_write`` the write round's verify (all ``rounds`` rounds folded in and written),
         ``ring_end`` the round's table update (once per round for every layer, shown per layer over ``layers``),
-        and ``round_ring`` one layer's round over a cycle: ``((R - 1) read + write) / R + end / layers``."""
+        and ``round_ring`` one layer's round over a cycle: ``((R - 1) read + write) / R + end / layers``. The read
+        rounds run ``read_launch`` (default the verify's), the write round ``write_launch`` (the folded verify's)."""
         tree, pool, inputs, slots = self.sets(64)
         c, accepted = self.case, self.deepest(tree)
-        read_launch, write_launch = self.launch(), self.launch(fold=True)
+        read_launch, write_launch = read_launch or self.launch(), write_launch or self.launch(fold=True)
         rings = []
         for i, x in enumerate(inputs):
             ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, c.batch, self.device)
@@ -259,7 +258,7 @@ class CaseBench:
                 "round_ring": Timing(cycle(read.p20_us, write.p20_us, end.p20_us), cycle(read.p50_us, write.p50_us, end.p50_us),
                                      cycle(read.p80_us, write.p80_us, end.p80_us), method=method, samples=read.samples)}
 
-    def time_rounds(self, layers: int, repeats: int = 50) -> dict[str, Timing]:
+    def time_rounds(self, layers: int, repeats: int = 50, ring_rounds: int = RING_ROUNDS) -> dict[str, Timing]:
         """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
 
         round_verify_commit: `tree_verify` then `tree_commit` (two launches a layer);
@@ -268,7 +267,7 @@ class CaseBench:
             states already exceed the L2 cache);
         round_serial: `serial_verify` then a copy of one state per request, what a snapshot engine's commit
             is (a copy of the accepted node's snapshot into the slot);
-        round_ring (with ring_read, ring_write, ring_end): a `PendingRing` of `RING_ROUNDS` rounds (`time_ring`).
+        round_ring (with ring_read, ring_write, ring_end): a `PendingRing` of ``ring_rounds`` rounds (`time_ring`).
         """
         tree, pool, inputs, slots = self.sets(64)
         launch, accepted = self.launch(), self.deepest(tree)
@@ -282,7 +281,7 @@ class CaseBench:
 
         timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
                    "round_folded": self.time_folded(self.launch(fold=True), repeats),
-                   **self.time_ring(RING_ROUNDS, layers, repeats)}
+                   **self.time_ring(ring_rounds, layers, repeats)}
         x, h = inputs[0], self.case.shape
         stacked = LayerResults.empty(layers, tree, h, self.case.dtype, self.device)
         states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot
@@ -341,20 +340,21 @@ def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseB
     return row
 
 
-def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50, bench: CaseBench | None = None) -> list[dict]:
+def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50, bench: CaseBench | None = None,
+                 ring_rounds: int = RING_ROUNDS) -> list[dict]:
     """Rows of `CaseBench.time_rounds`: what a layer's round (verify and commit) costs each way, per layer.
     A round's byte floor adds one write of the state to the verifier's."""
     bench = bench or CaseBench(case, device)
     rows = []
-    for kernel, timing in bench.time_rounds(layers, repeats).items():
+    for kernel, timing in bench.time_rounds(layers, repeats, ring_rounds).items():
         row = _row(kernel, case, timing, device)
         floor = {"tree_commit_layers": 2 * case.state_bytes(), "ring_read": case.floor_bytes(), "ring_end": 0,
-                 "round_ring": case.floor_bytes() + case.state_bytes() / RING_ROUNDS}.get(
+                 "round_ring": case.floor_bytes() + case.state_bytes() / ring_rounds}.get(
             kernel, case.floor_bytes() + case.state_bytes())
         row["floor_us"] = round(floor / COPY_BANDWIDTH_H200 * 1e6, 2)
         row["floor_fraction"] = round(row["floor_us"] / row["p50_us"], 3)
         if kernel.startswith(("ring", "round_ring")):
-            row["ring_rounds"] = RING_ROUNDS
+            row["ring_rounds"] = ring_rounds
         rows.append(row)
     return rows
 
@@ -384,7 +384,7 @@ class BenchRun:
 
 def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.bfloat16, max_depth: int = 8,
               repeats: int = 50, serial: bool = True, commit: bool = True, chain: bool = False,
-              progress=None) -> BenchRun:
+              ring_rounds: int = RING_ROUNDS, progress=None) -> BenchRun:
     """`bench_verify` (and the serial baseline, `bench_commit` and the layer's round each way, `bench_rounds`)
     for every model profile, batch and tree size (``chain``: each request a chain, not a random tree).
 
@@ -417,7 +417,8 @@ def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.
                 if commit:
                     rows.append(bench_commit(case, device, repeats=repeats, bench=bench))
                     if serial:
-                        rows += bench_rounds(case, model.num_gdn_layers, device, repeats=repeats, bench=bench)
+                        rows += bench_rounds(case, model.num_gdn_layers, device, repeats=repeats, bench=bench,
+                                             ring_rounds=ring_rounds)
                 run.rows.extend(rows)
                 if progress:
                     progress(rows)

@@ -183,3 +183,8 @@ def node_block(max_tree_size: int) -> int:
     while block < max_tree_size and block < 64:
         block *= 2
     return block
+
+
+RING_ROUNDS = 4
+"""The rounds a `PendingRing` keeps pending in `bole-tune bench`'s ring rows: the best of 4 and 8 for B=16 4-node
+chains in `lab/ring_after.py` (a read round's corrections grow with the tokens held; BENCHMARKS.md)."""

@@ -55,7 +55,7 @@ class GDNStepResult:
 
 def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, state_indices, tree: TreeBatch,
                   config: KernelConfig | None = None, validate: bool | None = None, out: TreeVerifyResult | None = None,
-                  pending: PendingCommit | None = None) -> GDNStepResult:
+                  pending: PendingCommit | None = None, ring=None) -> GDNStepResult:
     """Convolution, gates and verification of every tree node of one GDN layer.
 
     Args:
@@ -66,6 +66,9 @@ def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, st
         out, pending: passed to `tree_verify`: result buffers to write into, and the previous round's accepted
             paths of this layer, committed into the recurrent state in the verify's launch (then commit the
             conv state alone, `tree_conv_commit`, not `gdn_tree_commit`).
+        ring: instead of ``pending``, a `PendingRing` round with this layer's arena (`tree_verify`'s ``ring``): the
+            recurrent state is read through the ring's pending tokens (written every ``R``-th round); commit the
+            conv state alone, and call the ring's ``end`` once per round for all layers.
     """
     if not isinstance(params, GDNLayerParams):
         raise TypeError(f"params: expected GDNLayerParams, got {type(params).__name__}")
@@ -81,7 +84,7 @@ def gdn_tree_step(mixed_qkv, a, b, params: GDNLayerParams, state, conv_state, st
     v = activated[:, 2 * key_width:].view(n, h.hv, h.dv)
     g, beta = gdn_gates(a, b, params.a_log, params.dt_bias, validate)
     res = tree_verify(q, k, v, g, beta, state, state_indices, tree, scale=h.dk ** -0.5, use_qk_l2norm=True,
-                      config=config, validate=validate, out=out, pending=pending)
+                      config=config, validate=validate, out=out, pending=pending, ring=ring)
     return GDNStepResult(o=res.o, verify=res, conv_inputs=mixed_qkv.detach().clone())
 
 

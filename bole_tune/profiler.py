@@ -611,10 +611,11 @@ def measured_points(db_path, names: dict, shape: dict, run: dict) -> dict:
     return found
 
 
-ROUND_KERNELS = ("round_verify_commit", "round_folded", "round_serial", "round_verify_commit_cpu_fallback")
+ROUND_KERNELS = ("round_verify_commit", "round_folded", "round_ring", "round_serial", "round_verify_commit_cpu_fallback")
 """The round curves: a layer's verify plus commit, timed together (the tuned launches), the folded verify (the
-previous round's commit inside the verify, its tuned launch), the serial engine's verify and its snapshot copy; on
-a CPU the fallback's verify plus commit."""
+previous round's commit inside the verify, its tuned launch), a ring of pending rounds (`CaseBench.time_ring`: the
+verify's tuned launch reading through the pending tokens, the folded verify's writing them every R-th round), the
+serial engine's verify and its snapshot copy; on a CPU the fallback's verify plus commit."""
 
 
 def time_commit(bench: CaseBench, config: CommitConfig | None, repeats: int, most_sets: int = 64) -> Timing:
@@ -655,7 +656,7 @@ def curve_kernels(on_gpu: bool, serial: bool = True) -> list[str]:
     if not on_gpu:
         return ["tree_verify_cpu_fallback", "tree_commit_cpu_fallback", "round_verify_commit_cpu_fallback"]
     kernels = ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit", "round_verify_commit",
-               "round_folded", "round_serial"]
+               "round_folded", "round_ring", "round_serial"]
     return kernels if serial else [k for k in kernels if k not in ("serial_verify", "round_serial")]
 
 
@@ -669,8 +670,9 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
 
     The round curves (`ROUND_KERNELS`) are what a GDN layer costs per speculation round: ``round_verify_commit``
     the tuned tree_verify then the tuned one-layer tree_commit, ``round_folded`` the folded verify with its tuned
-    config (`CaseBench.time_folded`, with its reset of the previous round's commit marks), ``round_serial``
-    serial_verify then its snapshot copy."""
+    config (`CaseBench.time_folded`, with its reset of the previous round's commit marks), ``round_ring`` a ring of
+    `RING_ROUNDS` pending rounds over a cycle (`CaseBench.time_ring`), ``round_serial`` serial_verify then its
+    snapshot copy."""
     shape = model.heads(plan.tp)
     shape_dict = {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv}
     dtype = torch_dtype(plan.dtype)
@@ -742,6 +744,9 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                                                    tuned.config, commit.config)
                 folded = bench.launch(fold.config, tuned_on=fold.kernel, fold=True)
                 measured["round_folded"] = (bench.time_folded(folded, plan.repeats), None, folded.config, None)
+                ring = bench.time_ring(layers=model.num_gdn_layers, repeats=plan.repeats, read_launch=tuned,
+                                       write_launch=folded)
+                measured["round_ring"] = (ring["round_ring"], None, tuned.config, None)
             else:
                 error = bench.check(tree_verify)
                 timing, _ = bench.time_verify(tree_verify, repeats=max(3, plan.repeats // 10), most_sets=2)

@@ -140,7 +140,8 @@ def curve_summaries(data: dict) -> list[str]:
     return lines
 
 
-GDN_ROUND_LABELS = {"verify + commit": "commit", "verify + all-layer commit": "all layers", "folded": "folded"}
+GDN_ROUND_LABELS = {"verify + commit": "commit", "verify + all-layer commit": "all layers", "folded": "folded",
+                    "ring": "ring"}
 """Short names of `bole_tune.step_latency.GDN_ROUNDS` for the step table."""
 
 STEP_FIELDS = ("gdn_us", "gdn_serial_us", "attention_us", "lm_head_us", "step_us", "step_serial_us")

@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from bole_tune import database
 from bole_tune.fingerprint import fingerprint
 from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
-from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, gdn_gates, serial_verify, tree_commit_layers,
-                               tree_conv, tree_conv_commit, tree_verify)
+from bole_tune.config import RING_ROUNDS
+from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, PendingRing, gdn_gates, serial_verify,
+                               tree_commit_layers, tree_conv, tree_conv_commit, tree_verify)
 from bole_tune.profiler import provenance
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
@@ -56,12 +57,14 @@ METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs,
           "step = gdn_layers x GDN + attention_layers x attention + LM head")
 SERIAL_MAX_TREE = 64  # serial_verify's snapshots make larger trees slow to time and say nothing new
 
-GDN_ROUNDS = ("verify + commit", "verify + all-layer commit", "folded")
+GDN_ROUNDS = ("verify + commit", "verify + all-layer commit", "folded", "ring")
 """The ways a GDN layer's round is timed (`StepModel.gdn_round_us`); a point's ``gdn_us`` is the cheapest:
 ``verify + commit`` the layer then `gdn_tree_commit` (one-layer recurrent commit and conv commit);
 ``verify + all-layer commit`` the layer with its conv commit, plus one `tree_commit_layers` launch over all of the
 model's GDN layers divided by their number; ``folded`` the layer whose `tree_verify` commits the previous round's
-path first (``pending``), then its conv commit."""
+path first (``pending``), then its conv commit; ``ring`` the layer reading its state through a `PendingRing` of
+`RING_ROUNDS` rounds of pending paths (``ring``), then its conv commit, over a cycle: ``((R - 1) read rounds + one
+write round) / R`` plus the ring's table update (once per round for every layer) divided by the layers."""
 
 
 @dataclass(frozen=True)
@@ -192,11 +195,11 @@ class StepModel:
         self._block_mask = None
         self._folds, self._paths = None, None  # `gdn_folded_rounds`' result buffers and paths, made on first use
 
-    def gdn_layer(self, verify: str = "bole", commit: str = "layer", out=None, pending=None) -> torch.Tensor:
+    def gdn_layer(self, verify: str = "bole", commit: str = "layer", out=None, pending=None, ring=None) -> torch.Tensor:
         """One GDN layer's round: ``verify`` "bole" (the tree step and its commit) or "serial". ``commit`` (bole):
         "layer" commits the recurrent and the conv state after the layer (`gdn_tree_commit`), "conv" the conv
         state alone (the recurrent one is committed by the all-layer launch or the next round's fold); ``out``
-        and ``pending`` go to `gdn_tree_step`."""
+        ``pending`` and ``ring`` go to `gdn_tree_step`."""
         h, n = self.heads, self.x.shape[0]
         channels = self.params.channels
         x = _rms(self.x)
@@ -205,7 +208,7 @@ class StepModel:
         b, a = (x @ self.wt.gdn_gates).chunk(2, dim=-1)
         if verify == "bole":
             step = gdn_tree_step(mixed, a, b, self.params, self.state, self.conv_state, self.slots, self.tree,
-                                 validate=False, out=out, pending=pending)
+                                 validate=False, out=out, pending=pending, ring=ring)
             if commit == "layer":
                 gdn_tree_commit(self.state, self.conv_state, self.slots, step, self.accepted, validate=False)
             elif commit == "conv":
@@ -259,7 +262,31 @@ class StepModel:
         with _AllLayerCommit(self, layers) as commit:
             ways["verify + all-layer commit"] = time(lambda: self.gdn_layer("bole", "conv")) + time(commit, layers)
         ways["folded"] = time(self.gdn_folded_rounds, 2)
+        ways["ring"] = self.gdn_ring_round_us(time, layers)
         return ways
+
+    def gdn_ring_round_us(self, time, layers: int, rounds: int = RING_ROUNDS) -> float:
+        """The layer's round with a `PendingRing` of ``rounds`` rounds, each request accepting its deepest node: a
+        read round timed with the tables holding ``rounds - 1`` rounds (the fullest a read round sees), the write
+        round with ``rounds``, and the table update once; ``((R - 1) read + write) / R + update / layers``."""
+        tree, slots, accepted = self.tree, self.slots, self.accepted
+        ring = PendingRing(self.state.shape[0], rounds, tree.depth + 1, tree.num_nodes, tree.num_requests, self.device)
+        arena = ring.results(self.heads, torch.bfloat16)
+
+        def layer():
+            return self.gdn_layer(commit="conv", ring=ring.begin(tree).layer(arena))
+
+        for _ in range(rounds - 1):
+            step = ring.begin(tree)
+            self.gdn_layer(commit="conv", ring=step.layer(arena))
+            ring.end(step, slots, accepted, validate=False)
+        read = time(layer)
+        step = ring.begin(tree)
+        ring.end(step, slots, accepted, validate=False)  # R rounds held: the next round writes
+        write = time(layer)
+        step = ring.begin(tree)
+        update = time(lambda: ring.end(step, slots, accepted, validate=False))
+        return ((rounds - 1) * read + write) / rounds + update / layers
 
     def attention_layer(self, method: str = "split") -> torch.Tensor:
         """One attention layer and its FFN, the tree attention by ``method`` (`bole_tune.tree_attention`)."""

@@ -498,7 +498,7 @@ def test_the_profile_records_a_round_curve(tmp_path, monkeypatch):
     assert all(p["p50"] > 0 for p in rounds["points"])
     assert {r["kernel"] for r in result.curve_rows} == set(profiler.curve_kernels(False))
     assert profiler.curve_kernels(True) == ["tree_verify_tuned", "tree_verify_default", "serial_verify", "tree_commit",
-                                            "round_verify_commit", "round_folded", "round_serial"]
+                                            "round_verify_commit", "round_folded", "round_ring", "round_serial"]
     assert "round_serial" not in profiler.curve_kernels(True, serial=False)
 
 

@@ -90,7 +90,11 @@ def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
     assert writes == (num_rounds - 1) // rounds  # rounds R, 2R, ...: the first R rounds read
 
 
-def test_ring_rounds_write_every_r_rounds(device):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_ring_rounds_write_every_r_rounds(device, path, monkeypatch):
+    if path == "torch":  # the tables' update as batched torch operations (off a GPU without the interpreter)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device = "cpu"
     ring = PendingRing(NUM_SLOTS, 3, 4, capacity=16, max_requests=4, device=device)
     tree = make_tree([4, 4], "chain", device=device)
     slots = torch.tensor([1, 5], dtype=torch.int32, device=device)

@@ -94,3 +94,37 @@ def test_folded_rounds_fold_on_every_graph_replay(tiny):
         tree_commit(expected, m.slots, pending, m.accepted, validate=False)
         tree_commit(expected, m.slots, fresh_copy(first), m.accepted, validate=False)
         assert_close(m.state, expected, 1e-5, "the state after a replay of two folded rounds")
+
+
+def test_ring_rounds_in_the_layer_match_separate_commits(tiny, device):
+    """Four rounds of the layer through a ring of two rounds (read, read, write, read), then a flush, give every
+    round's outputs and the final state that four rounds each committed on its own give."""
+    from bole_tune.kernels import PendingRing
+    from bole_tune.kernels.conv import tree_conv_commit
+
+    m = step_model(tiny, device)
+    state0, conv0 = m.state.clone(), m.conv_state.clone()
+    mixed, a, b = layer_inputs(m)
+    ring = PendingRing(m.state.shape[0], 2, m.tree.depth + 1, m.tree.num_nodes, m.tree.num_requests, device)
+    arena = ring.results(m.heads, torch.bfloat16)
+    ring_outputs, writes = [], []
+    for _ in range(4):
+        step = ring.begin(m.tree)
+        writes.append(step.write)
+        s = gdn_tree_step(mixed, a, b, m.params, m.state, m.conv_state, m.slots, m.tree, validate=False,
+                          ring=step.layer(arena))
+        tree_conv_commit(m.conv_state, m.slots, s.conv_inputs, m.tree, m.accepted, validate=False)
+        ring.end(step, m.slots, m.accepted, validate=True)
+        ring_outputs.append(s.o.float().clone())
+    ring.flush(m.slots, [m.state], [arena])
+    assert writes == [False, False, True, False]
+
+    ring_state = m.state.clone()
+    m.state.copy_(state0)
+    m.conv_state.copy_(conv0)
+    for index in range(4):
+        s = gdn_tree_step(mixed, a, b, m.params, m.state, m.conv_state, m.slots, m.tree, validate=False)
+        gdn_tree_commit(m.state, m.conv_state, m.slots, s, m.accepted, validate=False)
+        assert_close(ring_outputs[index], s.o.float(), 2e-2, f"round {index}'s outputs")
+    assert_close(ring_state, m.state, 1e-5, "the state after four rounds and the flush")
+    assert not torch.allclose(ring_state, state0), "the rounds committed nothing"

@@ -26,13 +26,57 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import validation_enabled
-from .pending import pending_path_rows
+from ..common import use_triton, validation_enabled
+from ..launcher import FastLauncher
+from .blocks import path_hits
+from .pending import SEARCH_BLOCK, pending_path_rows
 from .result import TreeVerifyResult
+
+
+@triton.jit
+def ring_append_kernel(slots_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit_ptr, depth_ptr, rows_ptr, last_ptr,
+                       count_ptr, base, WRITE: tl.constexpr, B_T: tl.constexpr, WIDTH: tl.constexpr):
+    """`PendingRing.end` for one request (one program each): its slot's table row rebuilt in registers and stored
+    once (after a write round: emptied first), the accepted path appended at the slot's count, its last token
+    flagged. Column ``c`` takes the path's node at depth ``c - count``: the node whose depth-first interval holds
+    the accepted node's pre-order number, at that depth."""
+    i_r = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + i_r).to(tl.int64)
+    accepted = tl.load(accepted_ptr + i_r).to(tl.int64)
+    bos = tl.load(offsets_ptr + i_r).to(tl.int64)
+    size = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
+    ok = (accepted >= 0) & (accepted < size)
+    accepted = tl.where(ok, accepted, -1)  # no search steps below
+    enter_a = tl.load(enter_ptr + bos + tl.maximum(accepted, 0))
+    n = tl.where(ok, tl.load(depth_ptr + bos + tl.maximum(accepted, 0)).to(tl.int64) + 1, 0)
+    o_c = tl.arange(0, WIDTH)
+    table = rows_ptr + slot * WIDTH + o_c
+    flags = last_ptr + slot * WIDTH + o_c
+    if WRITE:
+        start = 0
+        old_rows = tl.full([WIDTH], -1, dtype=tl.int32)
+        old_last = tl.zeros([WIDTH], dtype=tl.int32)
+    else:
+        start = tl.load(count_ptr + slot).to(tl.int64)
+        old_rows = tl.load(table)
+        old_last = tl.load(flags)
+    new = tl.full([WIDTH], -1, dtype=tl.int64)
+    for j_b in range(0, (accepted + B_T) // B_T):
+        o_j = j_b * B_T + tl.arange(0, B_T)
+        hit = path_hits(enter_ptr, exit_ptr, depth_ptr, bos, o_j, o_j <= accepted, enter_a, o_c - start)
+        new = tl.maximum(new, tl.max(tl.where(hit, bos + o_j[None, :], -1), axis=1))
+    tl.store(table, tl.where(new >= 0, new + base, old_rows).to(tl.int32))
+    tl.store(flags, tl.where((n > 0) & (o_c == start + n - 1), 1, old_last))
+    tl.store(count_ptr + slot, tl.minimum(start + n, WIDTH).to(tl.int32))
+
+
+RING_APPEND = FastLauncher(ring_append_kernel)
 
 
 @dataclass
@@ -147,12 +191,31 @@ class PendingRing:
                 raise ValueError(f"state_indices: has a slot out of range [0, {self.num_slots})")
             if bool(((accepted < -1) | (accepted >= sizes)).any()):
                 raise ValueError("accepted: has an entry out of range (expected -1 or a local node index)")
+            depth = tree.node_depth[tree.offsets[:-1].long() + accepted.clamp(min=0).long()]
+            start = torch.zeros_like(depth) if step.write else self.count[slots]
+            if bool((start + torch.where(accepted >= 0, depth + 1, 0) > self.width).any()):
+                raise ValueError(f"accepted: a slot's pending tokens would exceed the ring's width {self.width} "
+                                 f"(rounds={self.rounds} x max_path={self.max_path}): end() called twice for a round?")
             if step.write:
                 absent = torch.ones(self.num_slots, dtype=torch.bool, device=self.device)
                 absent[slots] = False
                 if bool((self.count[absent] > 0).any()):
                     raise ValueError("state_indices: a slot with pending tokens is missing from a write round (flush "
                                      "or drop a request's tokens when it leaves)")
+        if use_triton(self.device):
+            if b:
+                RING_APPEND((b,), state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
+                            self.rows, self.last, self.count, step.position * self.capacity, WRITE=step.write,
+                            B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))),
+                            WIDTH=self.width)
+        else:
+            self._append_torch(step, slots, accepted)
+        self.held = 1 if step.write else self.held + 1
+        self.rounds_begun += 1
+
+    def _append_torch(self, step: "RingRound", slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """`end`'s table update as batched torch operations (off a GPU without the interpreter)."""
+        tree, b = step.tree, step.tree.num_requests
         if step.write:
             self.rows[slots] = -1
             self.last[slots] = 0
@@ -166,16 +229,11 @@ class PendingRing:
         keep = valid & (column < width)
         target = torch.where(keep, slots[:, None] * width + column, spare)
         self._rows.scatter_(0, target.view(-1), (path + step.position * self.capacity).to(torch.int32).view(-1))
-        if validation_enabled(validate) and bool((start + n > width).any()):
-            raise ValueError(f"accepted: a slot's pending tokens would exceed the ring's width {width} (rounds="
-                             f"{self.rounds} x max_path={self.max_path}): end() called twice for a round?")
         end = start + n - 1
         last = torch.where((n > 0) & (end < width), slots * width + end, spare)
         self._last.scatter_(0, last, torch.ones_like(last, dtype=torch.int32))
         self.count[slots] = (start + n).clamp(max=width).to(torch.int32)
         self._rows[spare], self._last[spare] = -1, 0
-        self.held = 1 if step.write else self.held + 1
-        self.rounds_begun += 1
 
     def drop(self, slots: torch.Tensor) -> None:
         """Forget the pending tokens of ``slots`` (their states are discarded: a finished request's)."""
