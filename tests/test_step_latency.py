@@ -126,5 +126,7 @@ def test_ring_rounds_in_the_layer_match_separate_commits(tiny, device):
         s = gdn_tree_step(mixed, a, b, m.params, m.state, m.conv_state, m.slots, m.tree, validate=False)
         gdn_tree_commit(m.state, m.conv_state, m.slots, s, m.accepted, validate=False)
         assert_close(ring_outputs[index], s.o.float(), 2e-2, f"round {index}'s outputs")
-    assert_close(ring_state, m.state, 1e-5, "the state after four rounds and the flush")
+    # 1e-4, not the folded rounds' 1e-5: a read round takes the pending tokens' dot products with q and k on the
+    # inputs' 16-bit operands, as the verify's Gram products are (H200: 2.2e-5)
+    assert_close(ring_state, m.state, 1e-4, "the state after four rounds and the flush")
     assert not torch.allclose(ring_state, state0), "the rounds committed nothing"
