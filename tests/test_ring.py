@@ -131,6 +131,12 @@ def test_ring_mistakes_are_refused(device):
         tree_verify(*x.args(tree), ring=step.layer(ring.results(HEADS, BF16)))
     with pytest.raises(TypeError, match="ring: expected a RingRead"):
         tree_verify(*x.args(tree), ring=step)
+    tree_verify(*x.args(tree), ring=step.layer(arena))  # fits: the check is remembered for these buffers
+    good = arena.k_scale
+    arena.k_scale = good.double()  # a buffer replaced after the check is checked again
+    with pytest.raises(ValueError, match="ring.results.k_scale: expected a contiguous torch.float32"):
+        tree_verify(*x.args(tree), ring=step.layer(arena))
+    arena.k_scale = good
     small = PendingRing(4, 2, 4, 16, 2, device)
     with pytest.raises(ValueError, match="ring: built for 4 slots"):
         tree_verify(*x.args(tree), ring=small.begin(tree).layer(small.results(HEADS, F32)))

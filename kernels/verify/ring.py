@@ -23,7 +23,7 @@ slot with pending tokens must be in every round until then: a write round clears
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -91,6 +91,9 @@ class RingResults:
     k: torch.Tensor
     k_scale: torch.Tensor
     committed: torch.Tensor
+    # host-side caches: the views `at` returned, and what `checks.check_ring` last found these buffers fit
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+    checked: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def positions(self) -> int:
@@ -101,11 +104,18 @@ class RingResults:
         return self.u.shape[1]
 
     def at(self, position: int, tree: TreeBatch) -> TreeVerifyResult:
-        """Round position ``position``'s buffers for ``tree`` (contiguous views of its first rows)."""
-        n, b = tree.num_nodes, tree.num_requests
-        return TreeVerifyResult(o=self.o[position, :n], u=self.u[position, :n], log_decay=self.log_decay[position, :n],
-                                k=self.k[position, :n], k_scale=self.k_scale[position, :n],
-                                committed=self.committed[position, :b], tree=tree)
+        """Round position ``position``'s buffers for ``tree`` (contiguous views of its first rows; made once per
+        position and size, as slicing six tensors costs host time every call)."""
+        key = (position, tree.num_nodes, tree.num_requests, self.u.data_ptr())
+        res = self._views.get(key)
+        if res is None:
+            n, b = key[1], key[2]
+            res = TreeVerifyResult(o=self.o[position, :n], u=self.u[position, :n],
+                                   log_decay=self.log_decay[position, :n], k=self.k[position, :n],
+                                   k_scale=self.k_scale[position, :n], committed=self.committed[position, :b], tree=tree)
+            self._views[key] = res
+        res.tree = tree
+        return res
 
 
 class PendingRing:
