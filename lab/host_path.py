@@ -1,4 +1,4 @@
-"""Where the host time of an eager tree_verify / folded verify / tree_commit call goes (issue 17's <= 40 us at
+"""Where the host time of an eager tree_verify / folded verify / ring verify / tree_commit call goes (issue 17's <= 40 us at
 B=1). Wall time per call in a loop of eager calls (no sync inside the loop), and each stage alone.
 
     python3 lab/host_path.py [--batch 1] [--tree-size 4] [--profile]
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from bole_tune.kernels import PLANNER, LayerResults, PendingCommit, PendingPaths, tree_commit, tree_commit_layers, tree_verify
+from bole_tune.kernels import (PLANNER, LayerResults, PendingCommit, PendingPaths, PendingRing, tree_commit,
+                               tree_commit_layers, tree_verify)
 from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
 from bole_tune.kernels.verify.result import result_buffers
 from bole_tune.kernels.verify.run import run_launch
@@ -118,11 +119,24 @@ def main() -> None:
         tree_verify(*a, out=layers.layer(layer))
     launch = PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch, max_tree_size=tree.max_tree_size,
                           depth=tree.depth, device=dev)
+    ring = PendingRing(x.state.shape[0], 4, tree.depth + 1, tree.num_nodes, args.batch, dev)
+    arena = ring.results(shape.heads, torch.bfloat16)
+    for _ in range(3):  # three rounds pending: the next round reads, the one after writes
+        step = ring.begin(tree)
+        tree_verify(*a, ring=step.layer(arena))
+        ring.end(step, x.state_indices, accepted)
+    read = ring.begin(tree)
+    ring.held = ring.rounds
+    write = ring.begin(tree)
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
+        "tree_verify ring read round (ring=)": lambda: tree_verify(*a, ring=read.layer(arena)),
+        "tree_verify ring write round (ring=)": lambda: tree_verify(*a, ring=write.layer(arena)),
+        "ring.begin + step.layer": lambda: ring.begin(tree).layer(arena),
+        "ring.end (once a round, all layers)": lambda: ring.end(read, x.state_indices, accepted, validate=False),
         "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),
         "tree_commit_layers (24 layers)": lambda: tree_commit_layers(states, x.state_indices, layers, tree, accepted),
         "  check_verify_inputs": lambda: check_verify_inputs(*a, None, None),
