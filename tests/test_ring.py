@@ -117,8 +117,8 @@ def test_ring_mistakes_are_refused(device):
     x = make_inputs(tree, HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, F32, device, num_slots=NUM_SLOTS)
     with pytest.raises(ValueError, match="tree: depth 7 gives paths of 8 nodes"):
         ring.begin(make_tree([8], "chain", device=device))
-    with pytest.raises(ValueError, match="tree: 3 requests"):
-        ring.begin(make_tree([1, 1, 1], device=device))
+    with pytest.raises(ValueError, match="tree: 5 requests"):  # max_requests 2, rounded up to 4
+        ring.begin(make_tree([1] * 5, device=device))
     with pytest.raises(ValueError, match="rounds: expected a positive int"):
         PendingRing(NUM_SLOTS, 0, 4, 16, 2, device)
     step = ring.begin(tree)

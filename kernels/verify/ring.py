@@ -126,7 +126,9 @@ class PendingRing:
         rounds: ``R``, the rounds a slot's tokens stay pending; every ``R``-th round writes the state (R = 1 is the
             folded verify: every round writes).
         max_path: the longest accepted path a round can have (the deepest tree's depth + 1).
-        capacity: the most nodes a round verifies (all requests together); max_requests: the most requests.
+        capacity: the most nodes a round verifies (all requests together); max_requests: the most requests
+            (rounded up to multiples of 16 and 4: every round's buffers then start 16-byte aligned, which the
+            kernels' kept binaries are specialised on).
         device: where the tables live.
 
     Each slot's table has ``width = R * max_path`` entries (rounded up to a power of two, at least 16): the
@@ -139,7 +141,7 @@ class PendingRing:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.num_slots, self.rounds, self.max_path = num_slots, rounds, max_path
-        self.capacity, self.max_requests = capacity, max_requests
+        self.capacity, self.max_requests = -(-capacity // 16) * 16, -(-max_requests // 4) * 4
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # compare equal to the tensors' cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -194,8 +196,8 @@ class PendingRing:
                                  f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
             if x.device != self.device:
                 raise ValueError(f"{name}: on device {x.device} but the ring is on {self.device}")
-        slots = state_indices.long()
         if validation_enabled(validate):
+            slots = state_indices.long()
             sizes = (tree.offsets[1:] - tree.offsets[:-1]).to(accepted.dtype)
             if bool(((slots < 0) | (slots >= self.num_slots)).any()):
                 raise ValueError(f"state_indices: has a slot out of range [0, {self.num_slots})")
@@ -214,14 +216,19 @@ class PendingRing:
                                      "or drop a request's tokens when it leaves)")
         if use_triton(self.device):
             if b:
-                RING_APPEND((b,), state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
-                            self.rows, self.last, self.count, step.position * self.capacity, WRITE=step.write,
-                            B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))),
-                            WIDTH=self.width)
+                self._append(step, state_indices, accepted)
         else:
-            self._append_torch(step, slots, accepted)
+            self._append_torch(step, state_indices.long(), accepted)
         self.held = 1 if step.write else self.held + 1
         self.rounds_begun += 1
+
+    def _append(self, step: "RingRound", state_indices: torch.Tensor, accepted: torch.Tensor) -> None:
+        """`ring_append_kernel`, one program per request (`FastLauncher`: its kept binary after the first call of
+        each specialisation)."""
+        tree = step.tree
+        RING_APPEND((tree.num_requests,), state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit,
+                    tree.node_depth, self.rows, self.last, self.count, step.position * self.capacity, WRITE=step.write,
+                    B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=self.width)
 
     def _append_torch(self, step: "RingRound", slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """`end`'s table update as batched torch operations (off a GPU without the interpreter)."""
