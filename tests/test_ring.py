@@ -151,3 +151,16 @@ def test_ring_mistakes_are_refused(device):
     assert step.write
     with pytest.raises(ValueError, match="a slot with pending tokens is missing from a write round"):
         ring.end(step, x.state_indices[:1].repeat(2), torch.tensor([0, 0], device=device), validate=True)
+
+
+def test_every_round_position_starts_aligned(device):
+    """The verify's kept binaries are keyed on 16-byte aligned pointers: each round's buffers start aligned whatever
+    capacity and max_requests the ring was built with."""
+    ring = PendingRing(NUM_SLOTS, 3, 5, capacity=7, max_requests=3, device=device)
+    assert (ring.capacity, ring.max_requests) == (16, 4)
+    arena = ring.results(HeadShape(hk=1, hv=2, dk=32, dv=32), BF16)
+    tree = make_tree([7, 1, 2], device=device)
+    for position in range(ring.rounds + 1):
+        res = arena.at(position, tree)
+        for name in ("o", "u", "log_decay", "k", "k_scale", "committed"):
+            assert getattr(res, name).data_ptr() % 16 == 0, (position, name)
