@@ -82,7 +82,7 @@ PATCHES = [(FIRST_INIT, NO_UPDATES), (FIRST_FOLD_ROWS, AFTER), (SECOND_INIT, "  
 def ring_table(tree, m: int) -> torch.Tensor:
     """``[B, m]`` pending rows, all real: request r's tokens are m consecutive rows of the previous round from its own
     first row on (wrapping), in increasing order (the last is the 'accepted' node whose logP is the total decay)."""
-    n, b = tree.num_nodes, tree.num_requests
+    n = tree.num_nodes
     first = tree.offsets[:-1].long()
     rows = (first[:, None] + torch.arange(m, device=first.device)[None, :]) % n
     return rows.sort(dim=1).values.to(torch.int32)
