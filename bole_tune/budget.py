@@ -47,12 +47,32 @@ METHOD = ("per batch: the engine-buildable shape maximising B * (1 + E[accepted]
           "the tokens per request that step runs; E[accepted] from the acceptance profile")
 
 
+ENGINE_GDN_ROUND = {"sglang": "verify + all-layer commit"}
+"""The GDN round an engine's integration runs where it runs one way (`bole_tune.step_latency.GDN_ROUNDS`): bole-tune's
+SGLang adapter verifies each layer and commits all of them in one launch. The other engines' budgets take the step
+curve's cheapest way at each point (an engine of one's own can run any of them)."""
+
+
+def _with_round(point: dict, gdn_layers: int, way: str) -> dict:
+    """``point`` with its GDN layers' round taken ``way`` instead of the cheapest (unchanged where the point did not
+    time that way: curves measured before the ways were)."""
+    rounds = point.get("gdn_rounds_us") or {}
+    if way not in rounds:
+        return point
+    return {**point, "step_us": point["step_us"] + gdn_layers * (rounds[way] - point["gdn_us"]), "gdn_us": rounds[way],
+            "gdn_round": way}
+
+
 class StepCurve:
     """Measured step latency (and its parts) of one model, interpolated in tree size per batch."""
 
-    def __init__(self, points: list[dict]):
+    def __init__(self, points: list[dict], gdn_layers: int | None = None, gdn_round: str | None = None):
+        """``gdn_round`` (with the model's ``gdn_layers``): the steps as an engine running that GDN round way
+        would take them."""
         if not points:
             raise ValueError("step curve: no points")
+        if gdn_round is not None and gdn_layers:
+            points = [_with_round(p, gdn_layers, gdn_round) for p in points]
         self.by_batch: dict[int, list[dict]] = {}
         for p in points:
             self.by_batch.setdefault(int(p["batch"]), []).append(p)
@@ -65,6 +85,17 @@ class StepCurve:
 
     def max_tree_size(self, batch: int) -> int:
         return self.by_batch[batch][-1]["tree_size"]
+
+    def gdn_round(self, batch: int, tree_size: float) -> str | None:
+        """The GDN round way of the measured point nearest ``tree_size`` at ``batch`` (None on older curves)."""
+        nearest = min(self.by_batch[batch], key=lambda p: (abs(p["tree_size"] - tree_size), p["tree_size"]))
+        return nearest.get("gdn_round")
+
+    @classmethod
+    def for_engine(cls, curve_entry: dict, engine: str) -> "StepCurve":
+        """A step-curve entry (``step_curves.<model>/<dtype>``) as ``engine`` runs it (`ENGINE_GDN_ROUND`)."""
+        layers = (curve_entry.get("layers") or {}).get("gdn")
+        return cls(curve_entry["points"], layers, ENGINE_GDN_ROUND.get(engine))
 
     def value(self, batch: int, tree_size: float, field_name: str = "step_us") -> float:
         pts = self.by_batch[batch]
@@ -200,7 +231,7 @@ def serves(batches) -> dict[int, list]:
     return out
 
 
-def batch_entry(info: dict, served: list, engine: str) -> dict:
+def batch_entry(info: dict, served: list, engine: str, curve: StepCurve | None = None) -> dict:
     best: Evaluated = info["best"]
     shape, tree = best.shape, best.shape.tree()
     n = shape.nodes_per_request
@@ -216,6 +247,9 @@ def batch_entry(info: dict, served: list, engine: str) -> dict:
                   "tokens_per_second": round(rate, 1),
                   "speedup_vs_no_speculation": round(rate / info["plain"], 4),
                   "speedup_vs_fixed_chain": round(rate / info["fixed_chain"], 4)})
+    way = curve.gdn_round(best.batch, n) if curve is not None else None
+    if way:
+        entry["gdn_round"] = way  # the GDN round the step was measured with: run it that way
     return entry
 
 
@@ -223,7 +257,8 @@ def build_budget(model_name: str, workload: AcceptanceModel, engine: str, curve_
                  drafter: DrafterShape = DrafterShape(), dtype: str = "bf16", tp: int = 1,
                  curve_name: str | None = None) -> dict:
     """The database entry of one (model, workload, engine) from the model's step-curve entry."""
-    result = plan(engine, workload, StepCurve(curve_entry["points"]), drafter)
+    curve = StepCurve.for_engine(curve_entry, engine)
+    result = plan(engine, workload, curve, drafter)
     ranges = serves(result["batches"])
     acceptance = {"name": workload.name, "sources": list(workload.sources)}
     if workload.variant:
@@ -231,7 +266,7 @@ def build_budget(model_name: str, workload: AcceptanceModel, engine: str, curve_
     return {"model": model_name, "dtype": dtype, "tp": tp, "workload": workload.name, "engine": engine,
             "acceptance": workload.as_dict(), "step_curve": curve_name or step_curve_name(model_name, dtype, tp),
             "drafter": {"kind": drafter.kind, "layers": drafter.layers}, "fixed_chain": result["fixed_chain"],
-            "batches": {b: batch_entry(info, ranges[b], engine) for b, info in result["batches"].items()},
+            "batches": {b: batch_entry(info, ranges[b], engine, curve) for b, info in result["batches"].items()},
             "provenance": {"date": database.now(), "step_curve_date": curve_entry.get("provenance", {}).get("date", ""),
                            "acceptance": acceptance, "method": METHOD}}
 

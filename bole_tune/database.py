@@ -503,6 +503,8 @@ def _budget_batch(entry, p: str, batch: int, engine: str) -> tuple[int, object]:
     if (entry["shape"] == "chain") != (entry["width"] <= 1):
         raise DatabaseError(f"{p}.shape: {entry['shape']!r} but the tree's width is {entry['width']}")
     _budget_engine_settings(entry, p, engine)
+    if "gdn_round" in entry:
+        _string(entry["gdn_round"], f"{p}.gdn_round")
     served = entry.get("serves")
     if (not isinstance(served, list) or len(served) != 2 or
             (served[1] is not None and _count(served[1], f"{p}.serves[1]") != batch)):

@@ -124,7 +124,7 @@ def _budget_figure(plt, model: str, budgets: list[dict], curves: dict, device: s
         ax = axes[workloads.index(budget["workload"])][engines.index(budget["engine"])]
         drafter = DrafterShape(**budget.get("drafter", {}))
         result = plan(budget["engine"], AcceptanceModel.from_dict(budget["acceptance"]),
-                      StepCurve(curves[budget["step_curve"]]["points"]), drafter)
+                      StepCurve.for_engine(curves[budget["step_curve"]], budget["engine"]), drafter)
         for batch, info in sorted(result["batches"].items()):
             xs, ys = zip(*info["by_nodes"])
             line, = ax.plot(xs, [y / 1000 for y in ys], label=f"B={batch}")

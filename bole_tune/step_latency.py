@@ -51,7 +51,8 @@ from bole_tune.tree_attention import flex_block_mask, tree_attention
 from bole_tune.workloads import make_inputs, make_tree
 
 METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs, commit: the cheapest of a one-layer "
-          "commit, the share of one commit launch for all GDN layers, and the folded verify), one attention layer "
+          "commit, the share of one commit launch for all GDN layers, the folded verify, and a ring of pending "
+          "rounds), one attention layer "
           "(tree attention as engines run it: the fastest of the methods timed) each with its FFN, and the LM "
           "head, each a CUDA graph timed with events (median of replays); "
           "step = gdn_layers x GDN + attention_layers x attention + LM head")

@@ -272,3 +272,29 @@ def test_draft_tree_shape():
     tree = DraftTree((-1, 0, 0, 1), (1, 1, 2, 1), (0.9, 0.7, 0.1, 0.5))
     assert tree.depth == 3 and tree.width == 2 and tree.expected_accepted == pytest.approx(2.2)
     assert tree.expanded_per_level() == [1, 1, 1]
+
+
+def test_each_engine_is_budgeted_on_the_gdn_round_it_runs():
+    """The step curve's points time the GDN round several ways and count the cheapest; the SGLang adapter runs one
+    (verify, then one commit launch for all layers), so SGLang's budgets take the steps that way, and every batch
+    entry names the way its step was measured with."""
+    entry = curve_entry()
+    entry["layers"] = {"gdn": 24, "attention": 8}
+    for p in entry["points"]:  # the ring is cheapest below 64 tokens a batch, the all-layer commit 2 us dearer
+        ring = p["tokens"] < 64
+        p["gdn_rounds_us"] = {"ring": 1.0 if ring else 3.0, "verify + all-layer commit": 3.0 if ring else 1.0}
+        p["gdn_round"] = "ring" if ring else "verify + all-layer commit"
+    bole = budget.StepCurve.for_engine(entry, "bole")
+    sglang = budget.StepCurve.for_engine(entry, "sglang")
+    assert sglang.value(1, 4) == pytest.approx(bole.value(1, 4) + 24 * 2.0)  # 4 tokens: the ring was counted
+    assert sglang.value(16, 8) == pytest.approx(bole.value(16, 8))  # 128 tokens: the all-layer commit already was
+    assert bole.gdn_round(1, 4) == "ring" and sglang.gdn_round(1, 4) == "verify + all-layer commit"
+    built = {e: budget.build_budget("Qwen3.5-9B", MODEL, e, entry) for e in ("bole", "sglang")}
+    assert all(b["gdn_round"] == "verify + all-layer commit" for b in built["sglang"]["batches"].values())
+    for b in built["bole"]["batches"].values():
+        assert b["gdn_round"] == ("ring" if b["tokens"] < 64 else "verify + all-layer commit")
+    database.validate({"schema_version": 1, "budgets": {budget.budget_name("Qwen3.5-9B", "test", e): built[e]
+                                                        for e in built}}, "test")
+    # a curve measured before the ways were (no gdn_rounds_us) is read as it is, its entries naming no way
+    old = budget.build_budget("Qwen3.5-9B", MODEL, "sglang", curve_entry())
+    assert all("gdn_round" not in b for b in old["batches"].values())
