@@ -9,6 +9,9 @@ can solve while the other half stream. Each launch is checked first: the verify'
 reference, the folded launch's outputs and committed slots too (`CaseBench.check`, `fold_errors`); then the verify,
 the folded round and the ring's read and write rounds are timed at each mix.
 
+The switch lost everywhere (BENCHMARKS.md, "Tenth session") and was removed: run this at commit 852d41e, where
+`resident.py` has ``ORDER_MIX`` (`git worktree add /tmp/mix 852d41e`, install it there).
+
     python3 lab/order_mix.py [--json OUT] [--repeats 30] [--mixes 0,1,66,132]
     TRITON_INTERPRET=1 python3 lab/order_mix.py --smoke      # the checks only, small heads on the CPU
 """

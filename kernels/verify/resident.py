@@ -69,7 +69,6 @@ def tree_verify_resident_kernel(
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
     ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
-    ORDER_MIX: tl.constexpr = 0,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -106,16 +105,7 @@ def tree_verify_resident_kernel(
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
     ssq_k = tl.zeros([B_T], dtype=tl.float32)
-    # ORDER_MIX > 0 (with STATE_FIRST): programs take the two orders in turn, in runs of ORDER_MIX program ids, so
-    # that the programs sharing an SM are not all streaming (or all solving) at once
     if STATE_FIRST:
-        if ORDER_MIX == 0:
-            stream_first = True
-        else:
-            stream_first = ((tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) // ORDER_MIX) % 2 == 0
-    else:
-        stream_first = False
-    if stream_first:
         # one value tile per program (B_V = D_V / V_SPLIT): S_pre's stream starts at once, the Gram products ride
         # along in the same key steps (q and k read once), and the factors follow the stream
         # (ROWS_FIRST: the products as ``S Q^T``, ``[b_v, B_T]`` tiles, the state tile the left operand)

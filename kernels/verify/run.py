@@ -37,10 +37,6 @@ BENCHMARKS.md "Seventh session"; both orders at the same eight tiles): the folde
 against 39.5 us at the best tiles of each, B=32 8-node chains 74.0 against 79.5; the verify alone gains nothing
 (16.4 against 15.9 us), so it keeps the other order."""
 
-ORDER_MIX = {"verify": 0, "fold": 0, "ring_read": 0}
-"""A "stream" launch's ``ORDER_MIX`` (`resident.py`): 0 runs every program state first; ``n > 0`` alternates the
-state-first and the factor-first order in runs of ``n`` program ids (lab: `lab/order_mix.py`)."""
-
 _NO_FOLD = (None,) * 7 + (0,)
 
 
@@ -100,10 +96,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fast_args = (*pointers, fold[7], *scalars)
     rows_first = (launch.variant == "stream" and not launch.state_split and not correct
                   and ROWS_FIRST["verify" if pending is None and ring is None else "fold"])
-    mix = ORDER_MIX["ring_read" if correct else "verify" if pending is None and ring is None else "fold"] \
-        if launch.variant == "stream" else 0
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, mix, *sizes)
+                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, *sizes)
 
     def args() -> tuple:
         return (*tensors[:17], *fold, *scalars)
@@ -111,7 +105,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     def meta() -> dict:
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
-                     "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first, "ORDER_MIX": mix}
+                     "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first}
         else:
             extra = {}
         if pending is None and ring is None:
