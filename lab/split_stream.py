@@ -21,7 +21,6 @@ the shipped kernel (verify, folded round, ring read and write rounds), at a few 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import tempfile
 
@@ -32,8 +31,9 @@ import triton.language as tl
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify import run as run_module
-from bole_tune.kernels.verify.blocks import fold_apply, fold_updates, pending_path, ring_tokens, state_products
+from bole_tune.kernels.verify.blocks import fold_apply, fold_updates, pending_tokens, state_products
 from bole_tune.shapes import HeadShape
+from lab_rows import release, save, show, with_resident
 from patched_kernel import patched_resident_kernel
 
 
@@ -58,13 +58,9 @@ def stream_products_kernel(
     o_v = i_v * B_V + tl.arange(0, B_V)
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
     if FOLD:
-        if RING:
-            rows_p, m_p, weight_p, decay_p, pending = ring_tokens(
-                slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_P)
-        else:
-            rows_p, m_p, weight_p, decay_p, pending = pending_path(
-                i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
-                epoch, H_V, H_K, B_P)
+        rows_p, m_p, weight_p, decay_p, pending = pending_tokens(
+            RING, i_r, slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
+            epoch, H_V, H_K, B_P)
         b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
     b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
     b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
@@ -196,13 +192,6 @@ def main() -> None:
     shipped = run_module.RESIDENT
     rows = []
 
-    def with_kernel(kernel, fn):
-        run_module.RESIDENT = kernel
-        try:
-            return fn()
-        finally:
-            run_module.RESIDENT = shipped
-
     for batch, size, kind in cases:
         case = BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind)
         bench = CaseBench(case, device)
@@ -212,31 +201,26 @@ def main() -> None:
             kernel = shipped if tile is None else SplitLauncher(second, tile)
             row = {"batch": batch, "tree_size": size, "kind": kind, "split": tile, "config": str(launch.config)}
             try:
-                row["error"] = with_kernel(kernel, lambda: bench.check(tree_verify, launch))
-                row["fold_error"], row["fold_state_error"] = with_kernel(kernel, lambda: bench.fold_errors(launch))
+                row["error"] = with_resident(kernel, lambda: bench.check(tree_verify, launch))
+                row["fold_error"], row["fold_state_error"] = with_resident(kernel, lambda: bench.fold_errors(launch))
                 if tile is not None:
                     row["ring_vs_shipped"] = ring_check(bench, launch, kernel, shipped)
                 if not args.smoke:
-                    row["verify"] = with_kernel(kernel, lambda: bench.time_verify(tree_verify, launch,
+                    row["verify"] = with_resident(kernel, lambda: bench.time_verify(tree_verify, launch,
                                                                                    args.repeats)[0].p50_us)
                     # the split's fold happens in the stream launch: the verify's tiles serve the second launch
-                    row["folded"] = with_kernel(kernel, lambda: bench.time_folded(
+                    row["folded"] = with_resident(kernel, lambda: bench.time_folded(
                         flaunch if tile is None else launch, args.repeats).p50_us)
-                    ring = with_kernel(kernel, lambda: bench.time_ring(
+                    ring = with_resident(kernel, lambda: bench.time_ring(
                         args.rounds, 24, args.repeats, read_launch=launch,
                         write_launch=flaunch if tile is None else launch))
                     row.update({key: t.p50_us for key, t in ring.items()})
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                  flush=True)
-            rows.append(row)
-        del bench
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            show(row, rows)
+        bench = None  # its buffers go before the next case's
+        release(device)
+    save(args.json, rows)
 
 
 if __name__ == "__main__":

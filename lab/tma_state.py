@@ -15,7 +15,6 @@ folded launch's committed slots too), then timed beside the shipped kernel at th
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import tempfile
 
@@ -29,6 +28,7 @@ from bole_tune.config import KernelConfig
 from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
+from lab_rows import release, save, show, with_resident
 from patched_kernel import patched_resident_kernel
 
 LOAD_OLD = """            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
@@ -127,13 +127,6 @@ def main() -> None:
         for batch in (16, 32):
             rows += stream_floor(heads, batch, args.repeats)
 
-    def with_kernel(kernel, fn):
-        run_module.RESIDENT = kernel
-        try:
-            return fn()
-        finally:
-            run_module.RESIDENT = shipped
-
     for batch, size, kind in cases:
         case = BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind)
         bench = CaseBench(case, device)
@@ -148,25 +141,20 @@ def main() -> None:
                 for name, kernel in (("shipped", shipped), ("tma", patched)):
                     try:
                         if fold:
-                            row[f"{name}_error"], row[f"{name}_state_error"] = with_kernel(
+                            row[f"{name}_error"], row[f"{name}_state_error"] = with_resident(
                                 kernel, lambda: bench.fold_errors(launch))
                         else:
-                            row[f"{name}_error"] = with_kernel(kernel, lambda: bench.check(tree_verify, launch))
+                            row[f"{name}_error"] = with_resident(kernel, lambda: bench.check(tree_verify, launch))
                         if not args.smoke:
-                            row[name] = with_kernel(kernel, lambda: (
+                            row[name] = with_resident(kernel, lambda: (
                                 bench.time_folded(launch, args.repeats) if fold else
                                 bench.time_verify(tree_verify, launch, args.repeats)[0]).p50_us)
                     except Exception as e:  # noqa: BLE001
                         row[name] = f"{type(e).__name__}: {str(e)[:160]}"
-                print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                      flush=True)
-                rows.append(row)
-        del bench
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                show(row, rows)
+        bench = None  # its buffers go before the next case's
+        release(device)
+    save(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,19 @@ def ring_tokens(slot, i_h, i_hk, rows_ptr, last_ptr, logp_ptr, k_scale_ptr, H_V,
 
 
 @triton.jit
+def pending_tokens(RING: tl.constexpr, i_r, slot, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, committed_ptr,
+                   epoch, H_V, H_K, B_P: tl.constexpr):
+    """The tokens a launch folds in or corrects for (both kernels' ``FOLD``): a `PendingRing` slot's (``RING``:
+    `ring_tokens`, ``map_ptr`` its row table and ``rows_ptr`` its flags) or the previous round's accepted path of
+    request ``i_r`` (`pending_path`). Returns (rows, mask, weights, decay, pending)."""
+    if RING:
+        return ring_tokens(slot, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_P)
+    else:
+        return pending_path(i_r, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, committed_ptr, epoch, H_V, H_K,
+                            B_P)
+
+
+@triton.jit
 def pending_corrections(b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                         rows_p, m_p, weight_p, decay_p, o_v, i_h, u_ptr, kp_ptr, H_V, H_K,
                         D_K: tl.constexpr, D_V: tl.constexpr, GRAM_DTYPE: tl.constexpr, GRAM_DOT: tl.constexpr,

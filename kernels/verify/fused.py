@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_path,
-                     qk_chunk_gram, ring_tokens, solve_factors, state_products)
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_tokens,
+                     qk_chunk_gram, solve_factors, state_products)
 
 
 # head counts and the block table's width vary per model and batch without changing the code:
@@ -65,13 +65,9 @@ def tree_verify_fused_kernel(
     o_v = i_v * B_V + tl.arange(0, B_V)
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] * stride_s_v
     if FOLD:
-        if RING:
-            rows_p, m_p, weight_p, decay_p, pending = ring_tokens(
-                slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_P)
-        else:
-            rows_p, m_p, weight_p, decay_p, pending = pending_path(
-                i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
-                epoch, H_V, H_K, B_P)
+        rows_p, m_p, weight_p, decay_p, pending = pending_tokens(
+            RING, i_r, slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
+            epoch, H_V, H_K, B_P)
         if not CORRECT:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
 

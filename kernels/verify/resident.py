@@ -39,8 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_path,
-                     qk_chunk_gram, ring_tokens, solve_factors, state_products, state_products_rows_first)
+from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_tokens,
+                     qk_chunk_gram, solve_factors, state_products, state_products_rows_first)
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -94,13 +94,9 @@ def tree_verify_resident_kernel(
     # FOLD: pending tokens, written into the slot as it is read; with CORRECT applied to the products instead
     # (`blocks.pending_corrections`; the slot is not written)
     if FOLD:
-        if RING:
-            rows_p, m_p, weight_p, decay_p, pending = ring_tokens(
-                slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, H_V, H_K, B_P)
-        else:
-            rows_p, m_p, weight_p, decay_p, pending = pending_path(
-                i_r, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
-                epoch, H_V, H_K, B_P)
+        rows_p, m_p, weight_p, decay_p, pending = pending_tokens(
+            RING, i_r, slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
+            epoch, H_V, H_K, B_P)
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
