@@ -112,8 +112,9 @@ STREAM_TILES = [(32, 32, 2, 3), (32, 64, 4, 2), (16, 128, 2, 2), (32, 128, 4, 1)
 class SplitLauncher:
     """Stands in for `run.RESIDENT`: the stream launch (``tile``: b_v, b_k, warps, stages), then the patched verify."""
 
-    def __init__(self, second, tile):
-        self.second, self.tile = second, tile
+    def __init__(self, second, tile, parts: str = "both"):
+        # parts: "both", or "stream" / "second" alone, or "second_nosweep" (the second without its level sweeps)
+        self.second, self.tile, self.parts = second, tile, parts
         self.scratch = {}
 
     def launch_keyed(self, key, grid, fast_args, args, meta):
@@ -128,19 +129,29 @@ class SplitLauncher:
         if shape not in self.scratch:
             self.scratch = {shape: (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device))}
         pq, pk = self.scratch[shape]
-        b_v, b_k, warps, stages = self.tile
         correct = m.get("CORRECT", False)
         fold_here = m["FOLD"] and not correct
         num_requests = grid[1]
+        if self.parts != "second":
+            self.stream(q, k, state, state_indices, offsets, pq, pk, fold, h_v, h_k, (sq0, sq1, sk0, sk1), ss, m,
+                        fold_here, num_requests, d_k, d_v)
+        m2 = dict(m, ROWS_FIRST=False, STATE_SPLIT=False)
+        if not correct:
+            m2.update(FOLD=False, RING=False, CORRECT=False)
+        if self.parts == "second_nosweep":  # timing only: no level sweeps (every tree's depth given as 0)
+            a = (*a[:10], torch.zeros_like(a[10]), *a[11:])
+        if self.parts != "stream":
+            self.second[grid](*a, pq_ptr=pq, pk_ptr=pk, **m2)
+
+    def stream(self, q, k, state, state_indices, offsets, pq, pk, fold, h_v, h_k, strides, ss, m, fold_here,
+               num_requests, d_k, d_v):
+        b_v, b_k, warps, stages = self.tile
+        sq0, sq1, sk0, sk1 = strides
         stream_products_kernel[(d_v // b_v, h_v, num_requests)](
             q, k, state, state_indices, offsets, pq, pk, *fold, h_v, h_k, sq0, sq1, sk0, sk1, *ss,
             D_K=d_k, D_V=d_v, B_T=m["B_T"], B_K=b_k, B_V=b_v, DOT_PRECISION=m["DOT_PRECISION"], FOLD=fold_here,
             RING=bool(m.get("RING", False)) and fold_here, B_P=m.get("B_P", 16), FOLD_DOT=m.get("FOLD_DOT", "ieee"),
             num_warps=warps, num_stages=stages)
-        m2 = dict(m, ROWS_FIRST=False, STATE_SPLIT=False)
-        if not correct:
-            m2.update(FOLD=False, RING=False, CORRECT=False)
-        self.second[grid](*a, pq_ptr=pq, pk_ptr=pk, **m2)
 
 
 def ring_check(bench, launch, split, shipped, rounds: int = 2, steps: int = 5) -> float:
@@ -183,11 +194,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--parts", action="store_true", help="also time the two launches of the verify apart")
+    parser.add_argument("--tiles", help="the stream launch's tiles, b_v/b_k/warps/stages,... (default: five)")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     cases = [(2, 4, "chain"), (3, 8, "random")] if args.smoke else CASES
     tiles = [(16, 16, 2, 2), (32, 32, 4, 1)] if args.smoke else STREAM_TILES
+    if args.tiles:
+        tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",")]
     second = patched_resident_kernel(PATCHES, "split_stream", pathlib.Path(tempfile.mkdtemp()))
     shipped = run_module.RESIDENT
     rows = []
@@ -215,6 +230,13 @@ def main() -> None:
                         args.rounds, 24, args.repeats, read_launch=launch,
                         write_launch=flaunch if tile is None else launch))
                     row.update({key: t.p50_us for key, t in ring.items()})
+                    if tile is not None and args.parts:
+                        for parts in ("stream", "second", "second_nosweep"):
+                            alone = SplitLauncher(second, tile, parts)
+                            row[f"verify_{parts}_alone"] = with_resident(alone, lambda: bench.time_verify(
+                                tree_verify, launch, args.repeats)[0].p50_us)
+                            row[f"folded_{parts}_alone"] = with_resident(alone, lambda: bench.time_folded(
+                                launch, args.repeats).p50_us)
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
             show(row, rows)
