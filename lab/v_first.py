@@ -8,6 +8,9 @@ loads its ``v`` tile right after the tree rows, before the stream, and the reado
 launch is checked against the float64 reference (the folded one's committed slots too, and the ring against the
 shipped kernel over five rounds), then timed beside the shipped kernel: verify, folded round, ring read and write.
 
+The second variant (the load after the stream, before the factors) is what `resident.py` does since 2026-12-02e
+(`value_tile`), so these patches match the kernel at 990bd8f only: run this in a worktree there.
+
     python3 lab/v_first.py [--json OUT] [--repeats 30]
     TRITON_INTERPRET=1 python3 lab/v_first.py --smoke      # the checks only, small heads on the CPU
 """

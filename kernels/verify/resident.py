@@ -133,16 +133,17 @@ def tree_verify_resident_kernel(
                 b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                 rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
                 GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
+        # the value rows are requested before the factors, whose chain hides their latency (`lab/v_first.py`)
+        b_v = value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, ROWS_FIRST)
         b_w, b_m, a_q, a_k = head_factors(
             b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
             logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
             B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
         if ROWS_FIRST:
-            readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n,
-                               stride_v_h, H_V, D_V, DOT_PRECISION)
+            readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V,
+                               DOT_PRECISION)
         else:
-            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-                    H_V, D_V, DOT_PRECISION)
+            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V, DOT_PRECISION)
     else:
         # 1. the factors, once per head: Gram matrices, logP, G and C, W = (I + G)^-1 D_beta, M = C W
         for i_k in range(0, D_K, B_K):
@@ -179,8 +180,8 @@ def tree_verify_resident_kernel(
                     b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                     rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
                     GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
-            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-                    H_V, D_V, DOT_PRECISION)
+            b_v = value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, False)
+            readout(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V, DOT_PRECISION)
 
 
 @triton.jit
@@ -218,12 +219,23 @@ def head_factors(b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, num_swe
 
 
 @triton.jit
-def readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h,
-            H_V, D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One value tile's ``R' = V - a_k (K S^T)``, ``U = W R'`` and ``O = a_q (Q S^T) + M R'``, stored."""
-    b_v = tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :],
-                  mask=m_i[:, None], other=0).to(tl.float32)
-    b_r = b_v - a_k[:, None] * b_ks
+def value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, TRANSPOSED: tl.constexpr):
+    """The rows' values on value channels ``o_v``, ``[B_T, b_v]`` (``TRANSPOSED``: ``[b_v, B_T]``, for
+    `readout_rows_first`), in the inputs' dtype."""
+    if TRANSPOSED:
+        return tl.load(v_ptr + rows[None, :] * stride_v_n + i_h * stride_v_h + o_v[:, None], mask=m_i[None, :],
+                       other=0)
+    else:
+        return tl.load(v_ptr + rows[:, None] * stride_v_n + i_h * stride_v_h + o_v[None, :], mask=m_i[:, None],
+                       other=0)
+
+
+@triton.jit
+def readout(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """One value tile's ``R' = V - a_k (K S^T)``, ``U = W R'`` and ``O = a_q (Q S^T) + M R'``, stored (``b_v``: the
+    tile's values, `value_tile`)."""
+    b_r = b_v.to(tl.float32) - a_k[:, None] * b_ks
     b_u = tl.dot(b_w, b_r, input_precision=DOT_PRECISION)
     b_o = tl.dot(b_m, b_r, a_q[:, None] * b_qs, input_precision=DOT_PRECISION)
     tl.store(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], b_u, mask=m_i[:, None])
@@ -232,13 +244,11 @@ def readout(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v,
 
 
 @triton.jit
-def readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, v_ptr, u_ptr, o_ptr, rows, m_i, o_v, i_h, stride_v_n,
-                       stride_v_h, H_V, D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V,
+                       D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """`readout` on ``[b_v, B_T]`` tiles (``ROWS_FIRST``): ``R'^T = V^T - (K S^T)^T a_k``, ``U^T = R'^T W^T``,
-    ``O^T = (Q S^T)^T a_q + R'^T M^T``, stored."""
-    b_v = tl.load(v_ptr + rows[None, :] * stride_v_n + i_h * stride_v_h + o_v[:, None],
-                  mask=m_i[None, :], other=0).to(tl.float32)
-    b_r = b_v - b_ks * a_k[None, :]
+    ``O^T = (Q S^T)^T a_q + R'^T M^T``, stored (``b_v``: `value_tile` transposed)."""
+    b_r = b_v.to(tl.float32) - b_ks * a_k[None, :]
     b_u = tl.dot(b_r, tl.trans(b_w), input_precision=DOT_PRECISION)
     b_o = tl.dot(b_r, tl.trans(b_m), b_qs * a_q[None, :], input_precision=DOT_PRECISION)
     tl.store(u_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None], b_u, mask=m_i[None, :])
