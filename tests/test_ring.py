@@ -31,7 +31,8 @@ CASES = {
 }
 
 
-def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, seed=3):
+def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, seed=3, force=()):
+    """``force``: the rounds that write whatever the tables hold (`PendingRing.begin(write=True)`)."""
     rng = random.Random(seed)
     max_size = 70 if variant == "fused" and kind == "chain" and dtype == BF16 else 12
     max_path = 8 if kind == "random" else max_size
@@ -60,7 +61,7 @@ def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, se
         sizes = [rng.randint(1, max_size) for _ in active]
         tree = make_tree(sizes, kind, max_depth=max_path - 1, seed=index, device=device)
         x = make_inputs(tree, HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, dtype, device, seed=20 + index)
-        step = ring.begin(tree)
+        step = ring.begin(tree, write=True if index in force else None)
         before = pool.clone()
         res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, config=config,
                           ring=step.layer(arena))
@@ -88,6 +89,37 @@ def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
     writes = run_rounds(device, *CASES[case])
     variant, dtype, rounds, kind, num_rounds, *_ = CASES[case]
     assert writes == (num_rounds - 1) // rounds  # rounds R, 2R, ...: the first R rounds read
+
+
+@pytest.mark.parametrize("case,force", [("stream-bf16-chains-R3", (1, 2, 5)), ("fused-fp32-trees-R2", (3,))])
+def test_ring_rounds_written_early_match_the_recurrence(device, case, force):
+    """Write rounds asked for early (`begin(write=True)`: after one round, two in a row, and with the tables full
+    anyway) fold what the tables hold; the R-round count starts again after each."""
+    variant, dtype, rounds, kind, num_rounds, *config = CASES[case]
+    writes = run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config, force=force)
+    held, expected = 0, 0
+    for index in range(num_rounds):
+        write = index in force or held >= rounds
+        expected += write
+        held = 1 if write else held + 1
+    assert writes == expected > (num_rounds - 1) // rounds
+
+
+def test_ring_write_choice_is_checked(device):
+    ring = PendingRing(NUM_SLOTS, 2, 4, capacity=16, max_requests=2, device=device)
+    tree = make_tree([4, 4], "chain", device=device)
+    slots, accepted = torch.tensor([1, 5], dtype=torch.int32, device=device), torch.tensor([3, 1], device=device)
+    with pytest.raises(TypeError, match="write: expected None, True or False"):
+        ring.begin(tree, write=1)
+    plan = []
+    for write in (None, True, False, None, None):
+        step = ring.begin(tree, write=write)
+        plan.append(step.write)
+        ring.end(step, slots, accepted)
+    # held after each: 1, 1 (written early), 2, 1 (the tables held R = 2 rounds: written), 2
+    assert plan == [False, True, False, True, False]
+    with pytest.raises(ValueError, match="write=False: the tables already hold rounds=2 rounds"):
+        ring.begin(tree, write=False)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

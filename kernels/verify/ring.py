@@ -165,9 +165,19 @@ class PendingRing:
                            k_scale=torch.zeros(p, n, h.hk, dtype=f32, device=dev),
                            committed=torch.zeros(p, self.max_requests, dtype=torch.int32, device=dev))
 
-    def begin(self, tree: TreeBatch) -> "RingRound":
+    def begin(self, tree: TreeBatch, write: bool | None = None) -> "RingRound":
         """This round's plan (host only): its arena position, and whether its verify writes the pending tokens into
-        the state (the tables hold ``R`` rounds) or reads through them."""
+        the state or reads through them.
+
+        ``write=None`` writes when the tables hold ``R`` rounds (every ``R``-th round); ``write=True`` writes now,
+        whatever they hold: every slot this round verifies leaves it with its state as the recurrence has it (before
+        this round's own tokens), in the launches the round runs anyway, where `flush` is a pass of its own (for
+        example before another kernel reads the pool, or every second round where ``R = 2`` measures better);
+        ``write=False`` refuses a round that must write."""
+        if write is not None and not isinstance(write, bool):
+            raise TypeError(f"write: expected None, True or False, got {type(write).__name__}")
+        if write is False and self.held >= self.rounds:
+            raise ValueError(f"write=False: the tables already hold rounds={self.rounds} rounds, so this round writes")
         if not isinstance(tree, TreeBatch):
             raise TypeError(f"tree: expected a TreeBatch, got {type(tree).__name__}")
         if tree.depth + 1 > self.max_path:
@@ -180,7 +190,8 @@ class PendingRing:
                              f"max_requests={self.max_requests}")
         if tree.device != self.device:
             raise ValueError(f"tree: on device {tree.device} but the ring is on {self.device}")
-        return RingRound(self, tree, self.rounds_begun % (self.rounds + 1), self.held >= self.rounds)
+        return RingRound(self, tree, self.rounds_begun % (self.rounds + 1),
+                         self.held >= self.rounds if write is None else write)
 
     def end(self, step: "RingRound", state_indices: torch.Tensor, accepted: torch.Tensor,
             validate: bool | None = None) -> None:
