@@ -36,3 +36,62 @@ def release(device) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+def ring_check(bench, launch, split, shipped, rounds: int = 2, steps: int = 5) -> float:
+    """Largest relative difference, over ``steps`` rounds of a `PendingRing` of ``rounds`` rounds (read and write
+    rounds), between the shipped kernel's outputs and the split's, and of the slots after a final flush."""
+    from bole_tune.kernels import PendingRing, tree_verify
+
+    tree, x, _ = bench.reference()
+    c = bench.case
+    accepted = bench.deepest(tree)
+    worst = 0.0
+    pools, outs = [], []
+    for kernel in (shipped, split):
+        pool = x.state.clone()
+        ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, tree.num_requests, pool.device)
+        arena = ring.results(c.shape, c.dtype)
+        got = []
+        run_module.RESIDENT = kernel
+        try:
+            for _ in range(steps):
+                step = ring.begin(tree)
+                res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, x.state_indices, tree, launch=launch,
+                                  ring=step.layer(arena))
+                got.append(res.o.float().clone())
+                ring.end(step, x.state_indices, accepted)
+            ring.flush(x.state_indices, [pool], [arena])
+        finally:
+            run_module.RESIDENT = shipped
+        pools.append(pool)
+        outs.append(got)
+    for a, b in zip(*outs):
+        worst = max(worst, float((a - b).norm() / a.norm()))
+    used = x.state_indices.long()
+    return max(worst, float((pools[0][used] - pools[1][used]).norm() / pools[0][used].norm()))
+
+
+def check_and_time(row: dict, bench, kernel, launch, fold_launch, repeats: int, rounds: int, timed: bool = True,
+                   ring_against=None) -> bool:
+    """``kernel`` standing in for `run.RESIDENT`: checked against the float64 reference (the verify with ``launch``,
+    the fold with ``fold_launch``: outputs and committed slots; with ``ring_against``, five ring rounds against that
+    kernel), then (``timed``) the verify, the folded round and the ring's rounds timed; into ``row``. A failure is
+    recorded in ``row["failed"]`` (False returned): a lab sweep goes on."""
+    from bole_tune.kernels import tree_verify
+
+    try:
+        row["error"] = with_resident(kernel, lambda: bench.check(tree_verify, launch))
+        row["fold_error"], row["fold_state_error"] = with_resident(kernel, lambda: bench.fold_errors(fold_launch))
+        if ring_against is not None:
+            row["ring_vs_shipped"] = ring_check(bench, launch, kernel, ring_against)
+        if timed:
+            row["verify"] = with_resident(kernel, lambda: bench.time_verify(tree_verify, launch, repeats)[0].p50_us)
+            row["folded"] = with_resident(kernel, lambda: bench.time_folded(fold_launch, repeats).p50_us)
+            ring = with_resident(kernel, lambda: bench.time_ring(rounds, 24, repeats, read_launch=launch,
+                                                                 write_launch=fold_launch))
+            row.update({key: t.p50_us for key, t in ring.items()})
+        return True
+    except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+        row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return False

@@ -33,7 +33,7 @@ from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.kernels.verify.blocks import fold_apply, fold_updates, pending_tokens, state_products
 from bole_tune.shapes import HeadShape
-from lab_rows import release, save, show, with_resident
+from lab_rows import check_and_time, release, save, show, with_resident
 from patched_kernel import patched_resident_kernel
 
 
@@ -154,40 +154,6 @@ class SplitLauncher:
             num_warps=warps, num_stages=stages)
 
 
-def ring_check(bench, launch, split, shipped, rounds: int = 2, steps: int = 5) -> float:
-    """Largest relative difference, over ``steps`` rounds of a `PendingRing` of ``rounds`` rounds (read and write
-    rounds), between the shipped kernel's outputs and the split's, and of the slots after a final flush."""
-    from bole_tune.kernels import PendingRing
-
-    tree, x, _ = bench.reference()
-    c = bench.case
-    accepted = bench.deepest(tree)
-    worst = 0.0
-    pools, outs = [], []
-    for kernel in (shipped, split):
-        pool = x.state.clone()
-        ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, tree.num_requests, pool.device)
-        arena = ring.results(c.shape, c.dtype)
-        got = []
-        run_module.RESIDENT = kernel
-        try:
-            for _ in range(steps):
-                step = ring.begin(tree)
-                res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, x.state_indices, tree, launch=launch,
-                                  ring=step.layer(arena))
-                got.append(res.o.float().clone())
-                ring.end(step, x.state_indices, accepted)
-            ring.flush(x.state_indices, [pool], [arena])
-        finally:
-            run_module.RESIDENT = shipped
-        pools.append(pool)
-        outs.append(got)
-    for a, b in zip(*outs):
-        worst = max(worst, float((a - b).norm() / a.norm()))
-    used = x.state_indices.long()
-    return max(worst, float((pools[0][used] - pools[1][used]).norm() / pools[0][used].norm()))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -215,30 +181,16 @@ def main() -> None:
         for tile in [None] + tiles:
             kernel = shipped if tile is None else SplitLauncher(second, tile)
             row = {"batch": batch, "tree_size": size, "kind": kind, "split": tile, "config": str(launch.config)}
-            try:
-                row["error"] = with_resident(kernel, lambda: bench.check(tree_verify, launch))
-                row["fold_error"], row["fold_state_error"] = with_resident(kernel, lambda: bench.fold_errors(launch))
-                if tile is not None:
-                    row["ring_vs_shipped"] = ring_check(bench, launch, kernel, shipped)
-                if not args.smoke:
-                    row["verify"] = with_resident(kernel, lambda: bench.time_verify(tree_verify, launch,
-                                                                                   args.repeats)[0].p50_us)
-                    # the split's fold happens in the stream launch: the verify's tiles serve the second launch
-                    row["folded"] = with_resident(kernel, lambda: bench.time_folded(
-                        flaunch if tile is None else launch, args.repeats).p50_us)
-                    ring = with_resident(kernel, lambda: bench.time_ring(
-                        args.rounds, 24, args.repeats, read_launch=launch,
-                        write_launch=flaunch if tile is None else launch))
-                    row.update({key: t.p50_us for key, t in ring.items()})
-                    if tile is not None and args.parts:
-                        for parts in ("stream", "second", "second_nosweep"):
-                            alone = SplitLauncher(second, tile, parts)
-                            row[f"verify_{parts}_alone"] = with_resident(alone, lambda: bench.time_verify(
-                                tree_verify, launch, args.repeats)[0].p50_us)
-                            row[f"folded_{parts}_alone"] = with_resident(alone, lambda: bench.time_folded(
-                                launch, args.repeats).p50_us)
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+            # the split's fold happens in the stream launch: the verify's tiles serve the second launch
+            ok = check_and_time(row, bench, kernel, launch, flaunch if tile is None else launch, args.repeats,
+                                args.rounds, not args.smoke, ring_against=None if tile is None else shipped)
+            if ok and tile is not None and args.parts and not args.smoke:
+                for parts in ("stream", "second", "second_nosweep"):
+                    alone = SplitLauncher(second, tile, parts)
+                    row[f"verify_{parts}_alone"] = with_resident(alone, lambda: bench.time_verify(
+                        tree_verify, launch, args.repeats)[0].p50_us)
+                    row[f"folded_{parts}_alone"] = with_resident(alone, lambda: bench.time_folded(
+                        launch, args.repeats).p50_us)
             show(row, rows)
         bench = None  # its buffers go before the next case's
         release(device)

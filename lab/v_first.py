@@ -24,13 +24,11 @@ import tempfile
 import torch
 
 from bole_tune.bench import BenchCase, CaseBench
-from bole_tune.kernels import tree_verify
 from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
-from lab_rows import release, save, show, with_resident
+from lab_rows import check_and_time, release, save, show
 from patched_kernel import patched_resident_kernel
-from split_stream import ring_check
 
 PREFETCH_OLD = """        o_v = i_part * B_V + tl.arange(0, B_V)
         if ROWS_FIRST:
@@ -114,19 +112,8 @@ def main() -> None:
         for name, kernel in (("shipped", shipped), *variants):
             row = {"batch": batch, "tree_size": size, "kind": kind, "kernel": name, "config": str(launch.config),
                    "fold_config": str(flaunch.config)}
-            try:
-                row["error"] = with_resident(kernel, lambda: bench.check(tree_verify, launch))
-                row["fold_error"], row["fold_state_error"] = with_resident(kernel, lambda: bench.fold_errors(flaunch))
-                row["ring_vs_shipped"] = ring_check(bench, launch, kernel, shipped)
-                if not args.smoke:
-                    row["verify"] = with_resident(kernel, lambda: bench.time_verify(tree_verify, launch,
-                                                                                     args.repeats)[0].p50_us)
-                    row["folded"] = with_resident(kernel, lambda: bench.time_folded(flaunch, args.repeats).p50_us)
-                    ring = with_resident(kernel, lambda: bench.time_ring(args.rounds, 24, args.repeats,
-                                                                         read_launch=launch, write_launch=flaunch))
-                    row.update({key: t.p50_us for key, t in ring.items()})
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+            check_and_time(row, bench, kernel, launch, flaunch, args.repeats, args.rounds, not args.smoke,
+                           ring_against=shipped)
             show(row, rows)
         bench = None  # its buffers go before the next case's
         release(device)
