@@ -78,8 +78,6 @@ def tree_verify_resident_kernel(
     bos = tl.load(offsets_ptr + i_r).to(tl.int64)
     num_nodes = tl.load(offsets_ptr + i_r + 1).to(tl.int64) - bos
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-    if STATE_FIRST:  # requested here, not where the sweeps wait on it (`lab/late_depth.py`)
-        num_sweeps = tl.load(block_depth_ptr + i_r)
     tl.store(committed_ptr + i_r, 0, mask=(i_h == 0) & (i_part == 0))  # a fresh result: nothing committed yet
     # one program per key head writes the keys and their scales, the first part of each head logP
     write_keys = (i_h % (H_V // H_K) == 0) & (i_part == 0)
@@ -138,7 +136,7 @@ def tree_verify_resident_kernel(
         # the value rows are requested before the factors, whose chain hides their latency (`lab/v_first.py`)
         b_v = value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, ROWS_FIRST)
         b_w, b_m, a_q, a_k = head_factors(
-            b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, num_sweeps, scale,
+            b_qk, b_kk, ssq_q, ssq_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
             logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
             B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
         if ROWS_FIRST:
