@@ -173,7 +173,8 @@ class PendingRing:
         whatever they hold: every slot this round verifies leaves it with its state as the recurrence has it (before
         this round's own tokens), in the launches the round runs anyway, where `flush` is a pass of its own (for
         example before another kernel reads the pool, or every second round where ``R = 2`` measures better);
-        ``write=False`` refuses a round that must write."""
+        ``write=False`` refuses a round that must write. Like every write round, one asked for early must verify
+        every slot that holds tokens (`flush` or `drop` the others first; `end` checks it with ``validate``)."""
         if write is not None and not isinstance(write, bool):
             raise TypeError(f"write: expected None, True or False, got {type(write).__name__}")
         if write is False and self.held >= self.rounds:
