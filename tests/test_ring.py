@@ -120,6 +120,12 @@ def test_ring_write_choice_is_checked(device):
     assert plan == [False, True, False, True, False]
     with pytest.raises(ValueError, match="write=False: the tables already hold rounds=2 rounds"):
         ring.begin(tree, write=False)
+    # an early write round, like any, must see every slot with pending tokens
+    fresh = PendingRing(NUM_SLOTS, 3, 4, capacity=16, max_requests=2, device=device)
+    fresh.end(fresh.begin(tree), slots, accepted)
+    step = fresh.begin(tree, write=True)
+    with pytest.raises(ValueError, match="a slot with pending tokens is missing from a write round"):
+        fresh.end(step, slots[:1].repeat(2), torch.tensor([0, 0], device=device), validate=True)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
