@@ -38,10 +38,16 @@ from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
 from lab_rows import release, save, show
 
-UPDATES = {"rank1": 1, "dot": 2}
-CONFIGS = [CommitConfig(128, 32, 32, 4, 1), CommitConfig(128, 16, 16, 2, 1), CommitConfig(128, 64, 64, 8, 1),
-           CommitConfig(128, 64, 64, 4, 1), CommitConfig(64, 32, 32, 2, 1), CommitConfig(64, 64, 64, 4, 1),
-           CommitConfig(128, 16, 128, 2, 3), CommitConfig(128, 32, 64, 4, 2), CommitConfig(128, 32, 128, 4, 3)]
+UPDATES = {"rank1": 1, "dot": 2, "tf32x2": 3, "loop": 4}
+C = CommitConfig
+CANDIDATES = ([("loop", c) for c in (C(128, 16, 16, 2, 1), C(128, 16, 128, 2, 3), C(128, 16, 64, 2, 2), C(128, 32, 32, 4, 1),
+                                     C(128, 32, 128, 4, 2), C(64, 64, 64, 4, 1), C(128, 64, 64, 8, 1),
+                                     C(128, 16, 128, 2, 1), C(128, 32, 64, 4, 1))]
+              + [("tf32x2", c) for c in (C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1), C(128, 16, 64, 2, 2),
+                                         C(128, 32, 32, 4, 1), C(128, 32, 128, 4, 2))]
+              + [("rank1", c) for c in (C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1))]
+              + [("dot", C(128, 16, 128, 2, 3))])
+FLOORS = [C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1), C(128, 32, 32, 4, 1)]
 
 
 @triton.jit(do_not_specialize=["num_requests"])
@@ -99,39 +105,66 @@ def commit_lean_kernel(
         tl.store(committed_ptr + i_r, epoch)
         logp_a = tl.load(logp_ptr + row_a * H_V + i_h)
         decay = tl.exp(logp_a)
-        if UPDATE == 2:
-            m_p = rows >= 0
+        m_p = rows >= 0
+        weight = tl.zeros([B_P], dtype=tl.float32)
+        b_k = tl.zeros([B_P, B_K], dtype=tl.float32)
+        if (UPDATE == 2) | (UPDATE == 3):  # the padded path's factors, once for the program's tiles
             logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
             scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
             weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
             b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
                           mask=m_p[:, None], other=0).to(tl.float32)
-            for i_c in range(0, V_SPAN // B_V):
-                o_c = i_c * B_V + tl.arange(0, B_V)
-                o_v = i_span * V_SPAN + o_c
-                later = i_c > 0
-                b_s = tl.where(later, tl.load(p_slab + o_c[:, None] * stride_s_v, mask=later, other=0), b_first)
-                b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                              mask=m_p[:, None], other=0)
-                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
-                tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
-        else:
-            for i_c in range(0, V_SPAN // B_V):
-                o_c = i_c * B_V + tl.arange(0, B_V)
-                o_v = i_span * V_SPAN + o_c
-                later = i_c > 0
-                b_s = tl.where(later, tl.load(p_slab + o_c[:, None] * stride_s_v, mask=later, other=0), b_first)
-                b_s = decay * b_s
-                for p in tl.static_range(B_P):
-                    row = tl.load(rows_ptr + i_r * B_P + p).to(tl.int64)
-                    ok = row >= 0
-                    row = tl.maximum(row, 0)
-                    w = tl.where(ok, tl.exp(logp_a - tl.load(logp_ptr + row * H_V + i_h))
-                                 * tl.load(k_scale_ptr + row * H_K + i_hk), 0.0)
-                    k_p = tl.load(k_ptr + row * (H_K * D_K) + i_hk * D_K + o_k, mask=ok, other=0).to(tl.float32)
-                    u_p = tl.load(u_ptr + row * (H_V * D_V) + i_h * D_V + o_v, mask=ok, other=0)
-                    b_s += (u_p * w)[:, None] * k_p[None, :]
-                tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
+        n_path = tl.sum(m_p.to(tl.int32), axis=0)
+        # the first tile is the one already requested; the others are read in the loop
+        tl.store(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v,
+                 lean_tile(b_first, i_span * V_SPAN + tl.arange(0, B_V), rows, m_p, weight, b_k, decay, logp_a,
+                           n_path, i_r, i_h, i_hk, o_k, rows_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr,
+                           H_V, H_K, D_K, D_V, B_P, UPDATE))
+        for i_c in range(1, V_SPAN // B_V):
+            o_c = i_c * B_V + tl.arange(0, B_V)
+            b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+            tl.store(p_slab + o_c[:, None] * stride_s_v,
+                     lean_tile(b_s, i_span * V_SPAN + o_c, rows, m_p, weight, b_k, decay, logp_a, n_path, i_r, i_h,
+                               i_hk, o_k, rows_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr, H_V, H_K, D_K, D_V, B_P,
+                               UPDATE))
+
+
+@triton.jit
+def lean_tile(b_s, o_v, rows, m_p, weight, b_k, decay, logp_a, n_path, i_r, i_h, i_hk, o_k, rows_ptr, u_ptr, logp_ptr,
+              k_ptr, k_scale_ptr, H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+              B_P: tl.constexpr, UPDATE: tl.constexpr):
+    """One committed tile: ``decay * b_s`` plus the path's update over rows ``o_v`` and columns ``o_k``."""
+    if UPDATE == 2:  # fp32 FMAs over the padded path (the shipped arithmetic)
+        b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+        b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
+    elif UPDATE == 3:
+        # tensor cores, exact for these operands: k is bf16 (exactly a tf32), the weighted u split into a tf32
+        # head and its remainder, two tf32 products accumulated in fp32
+        b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+        b_a = tl.trans(b_u * weight[:, None])
+        b_hi = (b_a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        b_s = tl.dot(b_hi, b_k, decay * b_s, input_precision="tf32")
+        b_s = tl.dot(b_a - b_hi, b_k, b_s, input_precision="tf32")
+    elif UPDATE == 4:  # one outer product per node the path really has, in a loop
+        b_s = decay * b_s
+        for p in range(0, n_path):
+            row = tl.load(rows_ptr + i_r * B_P + p).to(tl.int64)
+            w = tl.exp(logp_a - tl.load(logp_ptr + row * H_V + i_h)) * tl.load(k_scale_ptr + row * H_K + i_hk)
+            k_p = tl.load(k_ptr + row * (H_K * D_K) + i_hk * D_K + o_k).to(tl.float32)
+            u_p = tl.load(u_ptr + row * (H_V * D_V) + i_h * D_V + o_v)
+            b_s += (u_p * w)[:, None] * k_p[None, :]
+    else:  # one outer product per table column, unrolled, every load issued up front
+        b_s = decay * b_s
+        for p in tl.static_range(B_P):
+            row = tl.load(rows_ptr + i_r * B_P + p).to(tl.int64)
+            ok = row >= 0
+            row = tl.maximum(row, 0)
+            w = tl.where(ok, tl.exp(logp_a - tl.load(logp_ptr + row * H_V + i_h))
+                         * tl.load(k_scale_ptr + row * H_K + i_hk), 0.0)
+            k_p = tl.load(k_ptr + row * (H_K * D_K) + i_hk * D_K + o_k, mask=ok, other=0).to(tl.float32)
+            u_p = tl.load(u_ptr + row * (H_V * D_V) + i_h * D_V + o_v, mask=ok, other=0)
+            b_s += (u_p * w)[:, None] * k_p[None, :]
+    return b_s
 
 
 def lean_launch(states, slots, results, tree, accepted, config: CommitConfig, update: str):
@@ -185,32 +218,32 @@ def main() -> None:
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
-    configs = [CommitConfig(32, 16, 16, 2, 1), CommitConfig(16, 16, 32, 1, 1)] if args.smoke else CONFIGS
+    candidates = ([(u, c) for u in UPDATES for c in (C(32, 16, 16, 2, 1), C(16, 16, 32, 1, 1))] if args.smoke
+                  else CANDIDATES)
     layers = 2 if args.smoke else args.layers
     rows = []
     for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
         key = CommitKey.bucketed(heads, "bf16", args.tree_size, batch, layers=layers)
         bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
         base = {"batch": batch, "tree_size": args.tree_size, "layers": layers}
-        for config in configs:
-            for update in UPDATES:
-                error = lean_error(bench, config, update)
-                row = dict(base, kernel=f"lean-{update}", config=config.text, error=error)
-                if error <= 1e-4 and not args.smoke:
-                    tree, states, results, slots, accepted = bench.sets()
+        for update, config in candidates:
+            error = lean_error(bench, config, update)
+            row = dict(base, kernel=f"lean-{update}", config=config.text, error=error)
+            if error <= 1e-4 and not args.smoke:
+                tree, states, results, slots, accepted = bench.sets()
 
-                    def launch(i, config=config, update=update):
-                        results[i].committed.zero_()
-                        lean_launch(states, slots[i], results[i], tree, accepted, config, update)
+                def launch(i, config=config, update=update):
+                    results[i].committed.zero_()
+                    lean_launch(states, slots[i], results[i], tree, accepted, config, update)
 
-                    row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
-                show(row, rows)
+                row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
+            show(row, rows)
         if args.smoke:
             continue
         tree, states, results, slots, accepted = bench.sets()
         tuned = tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, args.tree_size, batch, layers,
                              torch.device(device))
-        for config in [tuned] + CONFIGS if tuned else CONFIGS:
+        for config in [tuned] + FLOORS if tuned else FLOORS:
             row = dict(base, kernel="floor", config=config.text)
             row["us_per_layer"] = time_launches(lambda i, c=config: floor_launch(states, slots[i], batch, c),
                                                 len(results), device, args.repeats).p50_us / layers
