@@ -89,6 +89,15 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def path_precision(choice: str, k_dtype: torch.dtype, otherwise: str) -> str:
+    """The precision a path update's product runs in (`verify.blocks.path_product`): ``choice``, except that the
+    "split" products (the values cut into exact tf32 pieces) need 16-bit keys (each an exact tf32 value), so fp32
+    keys get ``otherwise``."""
+    if choice.startswith("split") and k_dtype == torch.float32:
+        return otherwise
+    return choice
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tf32 tensor cores for 16-bit inputs; three tf32 passes (about fp32 accuracy) for fp32 inputs."""
     return "tf32x3" if dtype == torch.float32 else "tf32"

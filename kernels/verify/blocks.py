@@ -183,14 +183,45 @@ def fold_updates(rows_p, m_p, weight_p, o_v, i_h, u_ptr, H_V, D_V: tl.constexpr)
 
 
 @triton.jit
+def tf32_head(x):
+    """fp32 ``x`` with its 13 low mantissa bits cleared: a tf32 value, and ``x - tf32_head(x)`` is exact in fp32."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def path_product(acc, a, b, PRODUCT: tl.constexpr):
+    """``acc + a @ b``, the update of a state tile by an accepted path (``a`` ``[b_v, path]`` fp32 weighted values,
+    ``b`` ``[path, b_k]`` keys widened to fp32; docs/math.md §4), in ``PRODUCT`` precision:
+
+    - "ieee": fp32 FMAs; "tf32x3": Triton's three tf32 passes (both operands split).
+    - "split3": ``a`` cut into three tf32 pieces that sum to it exactly (`tf32_head` twice, then the remainder,
+      at most 2 bits); ``b`` must hold 16-bit keys (bf16 or fp16: each exactly a tf32 value). Three tensor-core
+      passes whose products are all exact, accumulated in fp32 into ``acc`` itself: the fp32 FMAs' accuracy at
+      a tensor core's registers (no fp32 operand tiles held for an FMA product).
+    - "split2": two pieces, the remainder rounded to tf32 (about 2^-21 relative per product).
+    """
+    if (PRODUCT == "split3") | (PRODUCT == "split2"):
+        head = tf32_head(a)
+        acc = tl.dot(head, b, acc, input_precision="tf32")
+        rest = a - head
+        if PRODUCT == "split3":
+            mid = tf32_head(rest)
+            acc = tl.dot(mid, b, acc, input_precision="tf32")
+            rest = rest - mid
+        acc = tl.dot(rest, b, acc, input_precision="tf32")
+    else:
+        acc = acc + tl.dot(a, b, input_precision=PRODUCT)
+    return acc
+
+
+@triton.jit
 def fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, k_ptr, H_K, D_K: tl.constexpr,
                FOLD_DOT: tl.constexpr = "ieee"):
     """A ``[b_v, b_k]`` state tile after the pending commit: ``P_a S + sum_j w_j u_j k_j^T`` (docs/math.md §4),
-    ``b_upw`` from `fold_updates`; the product in ``FOLD_DOT`` precision ("ieee" fp32 FMAs, or "tf32x3": three
-    tf32 tensor-core passes)."""
+    ``b_upw`` from `fold_updates`; the product in ``FOLD_DOT`` precision (`path_product`)."""
     b_kp = tl.load(k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
                    other=0).to(tl.float32)
-    return decay_p * b_s + tl.dot(b_upw, b_kp, input_precision=FOLD_DOT)
+    return path_product(decay_p * b_s, b_upw, b_kp, FOLD_DOT)
 
 
 @triton.jit

@@ -39,14 +39,19 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import require_tensor, use_triton
+from ..common import path_precision, require_tensor, use_triton
 from ..launcher import FastLauncher
 from ..reference import commit_closed_form
-from .blocks import path_factors
+from .blocks import path_factors, path_product
 from .checks import check_commit_inputs
 from .result import TreeVerifyResult, commit_epoch
 
 DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
+COMMIT_PRODUCT = "split3"
+"""The path update's product for 16-bit keys (`blocks.path_product`): three exact tf32 tensor-core passes, fp32
+accumulation (BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32 values: their commits use fp32 FMAs."""
+
+
 
 
 # the per-layer strides of the factors read by gathered rows, the request count and the marks' layer stride
@@ -65,6 +70,7 @@ def tree_commit_kernel(
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
+    PRODUCT: tl.constexpr = "ieee",
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -105,7 +111,7 @@ def tree_commit_kernel(
                 b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
                 b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
                               mask=m_p[:, None], other=0)
-                b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
+                b_s = path_product(decay * b_s, tl.trans(b_u * weight[:, None]), b_k, PRODUCT)
                 tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
             tl.debug_barrier()
 
@@ -254,9 +260,10 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
     pointers = tuple(map(_data_ptr, tensors))
     block = node_block(tree.max_tree_size)
+    product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = None if reduce(or_, pointers) & 15 else (
         config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-        k_scale.dtype, committed.dtype, *state_strides, *layer_strides)
+        k_scale.dtype, committed.dtype, product, *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
-        num_warps=config.num_warps, num_stages=config.num_stages))
+        PRODUCT=product, num_warps=config.num_warps, num_stages=config.num_stages))
