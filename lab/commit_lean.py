@@ -31,6 +31,7 @@ from bole_tune.commit_bench import CommitBench
 from bole_tune.config import CommitConfig
 from bole_tune.database import CommitKey
 from bole_tune.kernels import tree_commit_layers
+from bole_tune.kernels.verify.blocks import path_product
 from bole_tune.kernels.verify.pending import pending_path_rows
 from bole_tune.kernels.verify.result import commit_epoch
 from bole_tune.lookup import tuned_commit
@@ -38,15 +39,10 @@ from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
 from lab_rows import release, save, show
 
-UPDATES = {"rank1": 1, "dot": 2, "tf32x2": 3, "loop": 4}
+UPDATES = {"rank1": 1, "dot": 2, "tf32x2": 3, "loop": 4, "split3": 5}
 C = CommitConfig
-CANDIDATES = ([("loop", c) for c in (C(128, 16, 16, 2, 1), C(128, 16, 128, 2, 3), C(128, 16, 64, 2, 2), C(128, 32, 32, 4, 1),
-                                     C(128, 32, 128, 4, 2), C(64, 64, 64, 4, 1), C(128, 64, 64, 8, 1),
-                                     C(128, 16, 128, 2, 1), C(128, 32, 64, 4, 1))]
-              + [("tf32x2", c) for c in (C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1), C(128, 16, 64, 2, 2),
-                                         C(128, 32, 32, 4, 1), C(128, 32, 128, 4, 2))]
-              + [("rank1", c) for c in (C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1))]
-              + [("dot", C(128, 16, 128, 2, 3))])
+CANDIDATES = [(u, c) for u in ("split3", "tf32x2") for c in (C(128, 16, 128, 2, 3), C(128, 16, 128, 2, 2),
+                                                            C(128, 32, 128, 4, 2), C(64, 16, 128, 2, 3))]
 FLOORS = [C(128, 16, 128, 2, 3), C(128, 16, 16, 2, 1), C(128, 32, 32, 4, 1)]
 
 
@@ -108,7 +104,7 @@ def commit_lean_kernel(
         m_p = rows >= 0
         weight = tl.zeros([B_P], dtype=tl.float32)
         b_k = tl.zeros([B_P, B_K], dtype=tl.float32)
-        if (UPDATE == 2) | (UPDATE == 3):  # the padded path's factors, once for the program's tiles
+        if (UPDATE == 2) | (UPDATE == 3) | (UPDATE == 5):  # the padded path's factors, once for the program's tiles
             logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
             scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
             weight = tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
@@ -137,14 +133,9 @@ def lean_tile(b_s, o_v, rows, m_p, weight, b_k, decay, logp_a, n_path, i_r, i_h,
     if UPDATE == 2:  # fp32 FMAs over the padded path (the shipped arithmetic)
         b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
         b_s = decay * b_s + tl.dot(tl.trans(b_u * weight[:, None]), b_k, input_precision="ieee")
-    elif UPDATE == 3:
-        # tensor cores, exact for these operands: k is bf16 (exactly a tf32), the weighted u split into a tf32
-        # head and its remainder, two tf32 products accumulated in fp32
+    elif (UPDATE == 3) | (UPDATE == 5):  # tensor cores, exact tf32 pieces (`blocks.path_product`)
         b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
-        b_a = tl.trans(b_u * weight[:, None])
-        b_hi = (b_a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        b_s = tl.dot(b_hi, b_k, decay * b_s, input_precision="tf32")
-        b_s = tl.dot(b_a - b_hi, b_k, b_s, input_precision="tf32")
+        b_s = path_product(decay * b_s, tl.trans(b_u * weight[:, None]), b_k, "split2" if UPDATE == 3 else "split3")
     elif UPDATE == 4:  # one outer product per node the path really has, in a loop
         b_s = decay * b_s
         for p in range(0, n_path):

@@ -9,7 +9,7 @@ import torch
 
 from bole_tune.tree import TreeBatch
 
-from ..common import dot_precision, gram_dtype, path_precision
+from ..common import dot_precision, gram_dtype
 from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
 from .planner import Launch
@@ -74,18 +74,16 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
         fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
         width = table.width
-        product = path_precision(FOLD_DOT_PRECISION, arena.k.dtype, "tf32x3")
-        fold_key = ("ring", correct, arena.k.dtype, width, product)
+        fold_key = ("ring", correct, arena.k.dtype, width)
         tensors += fold[:7]
     elif pending is None:  # the fold's pointers are never read: None keeps the launch short
-        fold, fold_key, width, product = _NO_FOLD, None, 16, None
+        fold, fold_key, width = _NO_FOLD, None, 16
     else:
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
                 commit_epoch())
         width = paths.path_rows.shape[1]
-        product = path_precision(FOLD_DOT_PRECISION, prev.k.dtype, "tf32x3")
-        fold_key = (paths.request_map.dtype, prev.k.dtype, width, product)
+        fold_key = (paths.request_map.dtype, prev.k.dtype, width)
         tensors += fold[:7]
     pointers = tuple(map(_data_ptr, tensors))
     bits = reduce(or_, pointers)
@@ -113,7 +111,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         if pending is None and ring is None:
             extra.update(FOLD=False)
         else:
-            extra.update(FOLD=True, FOLD_DOT=product, B_P=width, RING=ring is not None, CORRECT=correct)
+            extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width, RING=ring is not None, CORRECT=correct)
         return dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
                     USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
                     num_warps=config.num_warps, num_stages=config.num_stages)

@@ -91,30 +91,57 @@ def tree_commit_kernel(
     # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
     # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
     mark = tl.load(committed_ptr + i_r)
+    # the program's first state tile is requested before the path's dependent loads, so that it streams in while
+    # they resolve (read for nothing where the slot is kept: never written)
+    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
+    o_k = i_k * B_K + tl.arange(0, B_K)
+    p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
+    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v)
     if (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch)):
         tl.store(committed_ptr + i_r, epoch)
-        slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-        o_k = i_k * B_K + tl.arange(0, B_K)
-        p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
-        # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state
-        for i_p in range(0, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
+        # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state; the first pass
+        # decays S_pre, later ones (paths deeper than B_P) add to what it wrote
+        rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
+                                                 node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
+        commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
+                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
+        for i_p in range(1, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
+            tl.debug_barrier()
             rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                      node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
-            b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :],
-                          mask=m_p[:, None], other=0).to(tl.float32)
-            # the first pass decays S_pre; later passes (paths deeper than B_P) add to what it wrote
-            decay = tl.where(i_p == 0, tl.exp(logp_a), 1.0)
-            for i_c in range(0, V_SPAN // B_V):
-                o_c = i_c * B_V + tl.arange(0, B_V)
-                o_v = i_span * V_SPAN + o_c
-                b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
-                b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :],
-                              mask=m_p[:, None], other=0)
-                b_s = path_product(decay * b_s, tl.trans(b_u * weight[:, None]), b_k, PRODUCT)
-                tl.store(p_slab + o_c[:, None] * stride_s_v, b_s)
-            tl.debug_barrier()
+            commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
+                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
 
+
+@triton.jit
+def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, decay, o_k, i_h, i_hk, i_span, u_ptr,
+                k_ptr, stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr, B_V: tl.constexpr,
+                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr):
+    """One pass of a path's nodes (``rows``, ``weight``) over the program's ``V_SPAN`` state rows, in ``[B_V, b_k]``
+    tiles: each read (the first one already requested where ``HAVE_FIRST``), decayed, updated and written back."""
+    b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
+                  other=0).to(tl.float32)
+    first = 0
+    if HAVE_FIRST:
+        o_c = tl.arange(0, B_V)
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN, PRODUCT))
+        first = 1
+    for i_c in range(first, V_SPAN // B_V):
+        o_c = i_c * B_V + tl.arange(0, B_V)
+        b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN, PRODUCT))
+
+
+@triton.jit
+def commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V: tl.constexpr,
+                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr):
+    """State rows ``o_c`` of the program's span after the pass: ``decay * b_s`` plus the nodes' update."""
+    b_u = tl.load(u_ptr + rows[:, None] * (H_V * D_V) + i_h * D_V + (i_span * V_SPAN + o_c)[None, :],
+                  mask=m_p[:, None], other=0)
+    return path_product(decay * b_s, tl.trans(b_u * weight[:, None]), b_k, PRODUCT)
 
 COMMIT = FastLauncher(tree_commit_kernel)
 _data_ptr = torch.Tensor.data_ptr
