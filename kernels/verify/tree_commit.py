@@ -3,10 +3,12 @@
 
 ``S_new = P_a S_pre + sum_{j <= a} exp(logP_a - logP_j) u_j k_j^T`` (docs/math.md §4): each
 program owns ``v_span`` rows and ``b_k`` columns of one head's slot and streams them in
-``[b_v, b_k]`` tiles, each read once and written once, ``num_stages`` tiles in flight. The path to
-the accepted node ``a`` holds the nodes whose depth-first interval contains ``a``, one per depth; the
-program gathers them 16 at a time by depth (no walk up the parents), once for its whole span, so the
-sum is a dot product over the path alone, not over the whole tree.
+``[b_v, b_k]`` tiles, each read once and written once, its first tile requested before anything but the
+slot (it streams in while the path's dependent loads resolve). The path to the accepted node ``a`` holds
+the nodes whose depth-first interval contains ``a``, one per depth; the program gathers them 16 at a time
+by depth (no walk up the parents), once for its whole span, so the sum is a product over the path alone,
+not over the whole tree, run on tensor cores in pieces that keep fp32's accuracy (`COMMIT_PRODUCT`,
+`blocks.path_product`) and accumulated into the state tile itself.
 
 **The launch** is a `bole_tune.config.CommitConfig` (``b_k``, ``b_v``, ``v_span``, ``num_warps``,
 ``num_stages``): the tuner's knobs, tuned per GPU, head shape, dtype, tree and batch bucket and the number
@@ -47,9 +49,13 @@ from .checks import check_commit_inputs
 from .result import TreeVerifyResult, commit_epoch
 
 DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
-COMMIT_PRODUCT = "split3"
-"""The path update's product for 16-bit keys (`blocks.path_product`): three exact tf32 tensor-core passes, fp32
-accumulation (BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32 values: their commits use fp32 FMAs."""
+COMMIT_PRODUCT = "split2"
+"""The path update's product for 16-bit keys (`blocks.path_product`): the weighted values cut into a tf32 head and
+its remainder, two tensor-core passes accumulated in fp32 into the state tile (about 2^-21 relative per product:
+the committed state within 2.3e-7 of the closed form on the H200, fp32 FMAs 6.3e-8). Against fp32 FMAs it holds
+far fewer registers, so more programs stream per SM: the all-layer commit 10-12% faster at B >= 16, 22% at B=1
+("split3", exact pieces, measured the same within 1%; BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32
+values: their commits use fp32 FMAs."""
 
 
 
@@ -166,7 +172,8 @@ _data_ptr = torch.Tensor.data_ptr
 
 _config_source: Callable | None = None
 COMMIT_PREFETCH = False
-"""Whether a program requests each state tile's successor before it updates the tile (two tiles in flight)."""
+"""Whether a program requests each state tile's successor before it updates the tile (two tiles in flight): off,
+it costs registers (a program fewer per SM) and lost 4-7% on the H200 (`python3 lab/commit_modes.py`)."""
 
 
 def set_commit_config_source(source: Callable | None) -> Callable | None:
