@@ -16,9 +16,10 @@ interpreter with the test session):
   apache-tvm-ffi, sentencepiece, openai, fastapi range), else the version this recipe was tested with;
   torch, numpy, pydantic, PyYAML, huggingface_hub, tokenizers, safetensors, requests, packaging come from
   the environment (bole-tune's own dependencies and its test extra);
-- for SGLang only, a placeholder `torchvision` (sglang.srt.configs imports two image-preprocessing
-  modules that import torchvision at module level; PyPI's torchvision wheels link libtorch_cuda and
-  cannot load next to the CPU torch; the placeholder's names are never called on the configuration path).
+- a placeholder `torchvision` (sglang.srt.configs imports two image-preprocessing modules that import
+  torchvision at module level, and so does transformers' Qwen2-VL image processor, which vLLM imports when it
+  inspects the model class; PyPI's torchvision wheels link libtorch_cuda and cannot load next to the CPU torch;
+  the placeholder's names are never called on the configuration path).
 vLLM runs with VLLM_TARGET_DEVICE=cpu (the CPU platform: no CUDA probing).
 
 A failure prints one line starting "engine packages:" on stderr and exits 1 (CI fails on it).
@@ -63,7 +64,8 @@ ENGINES = {
     },
     "vllm": {
         "version": "0.33.0",
-        # What `vllm.engine.arg_utils` (the `vllm serve` argument parser) and VllmConfig import; pins
+        # What `vllm.engine.arg_utils` (the `vllm serve` argument parser) and VllmConfig import (loguru: what
+        # compressed-tensors imports when vLLM inspects the model class, absent from a bare environment); pins
         # are vllm 0.33.0's own.
         "packages": [
             "transformers==5.19.0", "compressed-tensors==0.17.0", "xgrammar==0.2.8", "fastapi==0.136.1",
@@ -73,11 +75,11 @@ ENGINES = {
             "pyzmq==27.3.0", "starlette==1.10.0", "aiohttp==3.14.5", "multidict==7.2.1", "yarl==1.25.1",
             "propcache==0.5.4", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0",
             "sentencepiece==0.2.1", "pybase64==1.5.1", "gguf==0.19.0", "httpx==0.28.1", "distro==1.9.0",
-            "apache-tvm-ffi==0.1.11",
+            "apache-tvm-ffi==0.1.11", "loguru==0.7.3",
         ],
         # the configuration code is Python; vllm/third_party's CUDA headers are not needed
         "keep": lambda name: name.endswith(".py"),
-        "torchvision_placeholder": False,
+        "torchvision_placeholder": True,  # transformers' Qwen2-VL image processor, met on the model's inspection
     },
 }
 
