@@ -10,6 +10,9 @@ over the all-layer cases is written to ``--mode-out``; ``--tune DB_DIR`` then ru
 
     python3 lab/commit_modes.py [--json OUT] [--mode-out MODE.json] [--tune DB_DIR --storage URL]
     TRITON_INTERPRET=1 python3 lab/commit_modes.py --smoke
+
+`COMMIT_PREFETCH` exists at commit 61b417d only (it lost, and main's kernel dropped it): run this script from a
+checkout of that commit (`git worktree add /tmp/c 61b417d`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    if not hasattr(tc, "COMMIT_PREFETCH"):
+        raise SystemExit("lab/commit_modes.py: this kernel has no COMMIT_PREFETCH switch; run it at commit 61b417d")
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     rows, best = [], {}

@@ -76,7 +76,7 @@ def tree_commit_kernel(
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
-    PRODUCT: tl.constexpr = "ieee", PREFETCH: tl.constexpr = False,
+    PRODUCT: tl.constexpr = "ieee",
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -111,52 +111,36 @@ def tree_commit_kernel(
         rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                  node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
         commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, PREFETCH)
+                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
         for i_p in range(1, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
             tl.debug_barrier()
             rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                      node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, PREFETCH)
+                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
 
 
 @triton.jit
 def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, decay, o_k, i_h, i_hk, i_span, u_ptr,
                 k_ptr, stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr, B_V: tl.constexpr,
-                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, PREFETCH: tl.constexpr):
+                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr):
     """One pass of a path's nodes (``rows``, ``weight``) over the program's ``V_SPAN`` state rows, in ``[B_V, b_k]``
     tiles: each read (the first one already requested where ``HAVE_FIRST``), decayed, updated and written back."""
     b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
                   other=0).to(tl.float32)
-    if PREFETCH:
-        # each tile's successor requested before the tile is updated: two tiles in flight per program
+    first = 0
+    if HAVE_FIRST:
         o_c = tl.arange(0, B_V)
-        if HAVE_FIRST:
-            b_next = b_first
-        else:
-            b_next = tl.load(p_slab + o_c[:, None] * stride_s_v)
-        for i_c in range(0, V_SPAN // B_V):
-            o_c = i_c * B_V + tl.arange(0, B_V)
-            b_s = b_next
-            more = i_c + 1 < V_SPAN // B_V
-            b_next = tl.load(p_slab + (o_c + B_V)[:, None] * stride_s_v, mask=more, other=0)
-            tl.store(p_slab + o_c[:, None] * stride_s_v,
-                     commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                                 PRODUCT))
-    else:
-        first = 0
-        if HAVE_FIRST:
-            o_c = tl.arange(0, B_V)
-            tl.store(p_slab + o_c[:, None] * stride_s_v,
-                     commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                                 PRODUCT))
-            first = 1
-        for i_c in range(first, V_SPAN // B_V):
-            o_c = i_c * B_V + tl.arange(0, B_V)
-            b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
-            tl.store(p_slab + o_c[:, None] * stride_s_v,
-                     commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                                 PRODUCT))
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
+                             PRODUCT))
+        first = 1
+    for i_c in range(first, V_SPAN // B_V):
+        o_c = i_c * B_V + tl.arange(0, B_V)
+        b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
+                             PRODUCT))
 
 
 @triton.jit
@@ -171,11 +155,6 @@ COMMIT = FastLauncher(tree_commit_kernel)
 _data_ptr = torch.Tensor.data_ptr
 
 _config_source: Callable | None = None
-COMMIT_PREFETCH = False
-"""Whether a program requests each state tile's successor before it updates the tile (two tiles in flight): off,
-it costs registers (a program fewer per SM) and lost 4-7% on the H200 (`python3 lab/commit_modes.py`)."""
-
-
 def set_commit_config_source(source: Callable | None) -> Callable | None:
     """Use ``source`` for ``config=None`` commits: ``(hk, hv, dk, dv, dtype, max_tree_size, num_requests, layers,
     device) -> CommitConfig | None`` (None: the untuned fallback). ``None`` restores the default
@@ -317,7 +296,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = None if reduce(or_, pointers) & 15 else (
         config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-        k_scale.dtype, committed.dtype, product, COMMIT_PREFETCH, *state_strides, *layer_strides)
+        k_scale.dtype, committed.dtype, product, *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
-        PRODUCT=product, PREFETCH=COMMIT_PREFETCH, num_warps=config.num_warps, num_stages=config.num_stages))
+        PRODUCT=product, num_warps=config.num_warps, num_stages=config.num_stages))
