@@ -123,3 +123,25 @@ def test_commit_products_match_the_closed_form_and_the_reference(device, monkeyp
         tree_commit_layers(states, pools[0][1], results, t, accepted, config=CommitConfig(32, 16, 32, 2, 2))
         for layer in range(3):
             assert relative_error(states[layer], closed[layer]) <= 1e-5, layer
+
+
+def test_a_kept_slot_is_never_read_whatever_its_index(device):
+    """The commit requests its first state tile before the path's loads, but only for requests that commit: a
+    request that keeps its slot (-1) may carry any slot index (an engine's padding: -1 or past the pool) and is
+    neither read nor written; the others commit as the closed form does."""
+    tree = make_tree([6, 5, 4], "random", max_depth=8, seed=2, device=device)
+    x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=3)
+    res = tree_verify(*x.args(tree), validate=False)
+    accepted = torch.tensor([5, -1, 2], device=device)
+    want = x.state.clone()
+    commit_closed_form(want, x.state_indices, res, accepted, validate=False)
+    res.committed.zero_()
+    for bad in (-1, 1 << 30):
+        pool = x.state.clone()
+        slots = x.state_indices.clone()
+        slots[1] = bad
+        tree_commit(pool, slots, res, accepted, validate=False, config=CommitConfig(32, 16, 32, 2, 1))
+        res.committed.zero_()
+        assert relative_error(pool, want) <= 1e-5, bad
+        kept = int(x.state_indices[1])
+        assert torch.equal(pool[kept], x.state[kept])

@@ -97,13 +97,14 @@ def tree_commit_kernel(
     # -1 keeps the slot; so does a node out of range, which value checks (off by default) would refuse, and a
     # path an earlier launch committed (marked neither 0 nor this launch's epoch): committing twice is a no-op
     mark = tl.load(committed_ptr + i_r)
+    commit = (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch))
     # the program's first state tile is requested before the path's dependent loads, so that it streams in while
-    # they resolve (read for nothing where the slot is kept: never written)
+    # they resolve (not where the slot is kept: its index need not name a slot then)
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
     o_k = i_k * B_K + tl.arange(0, B_K)
     p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v)
-    if (accepted >= 0) & (accepted < num_nodes) & ((mark == 0) | (mark == epoch)):
+    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0)
+    if commit:
         tl.store(committed_ptr + i_r, epoch)
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
         # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state; the first pass
