@@ -79,9 +79,10 @@ def test_split_products_need_16_bit_keys():
     assert path_precision("tf32x3", torch.float32, "ieee") == "tf32x3"
 
 
-@pytest.mark.parametrize("product", ["split2", "split3", "ieee"])
-def test_commit_products_match_the_closed_form_and_the_reference(device, monkeypatch, product):
-    """bf16 inputs (the split products run): one layer and three layers in one launch, programs of several tiles
+@pytest.mark.parametrize("product,dtype", [("split2", BF16), ("split3", BF16), ("ieee", BF16),
+                                           ("split2", torch.float16)], ids=["split2", "split3", "ieee", "split2-fp16"])
+def test_commit_products_match_the_closed_form_and_the_reference(device, monkeypatch, product, dtype):
+    """16-bit inputs (the split products run; fp16 keys, like bf16 ones, are tf32 values): one layer and three layers in one launch, programs of several tiles
     (v_span > b_v) and of one, a chain deeper than the 16 path nodes a pass gathers, a random tree, and a request
     that keeps its slot; against the closed form of the same factors (tight: the commit's own arithmetic), and for
     the random tree (depth <= 8, the drafters' trees) against the float64 recurrence too. (The deep chain's verify
@@ -94,7 +95,7 @@ def test_commit_products_match_the_closed_form_and_the_reference(device, monkeyp
     for t, accepted in ((tree, [19, -1, 3]), (mixed, [6, 11, -1])):
         accepted = torch.tensor(accepted, device=device)
         for config in (CommitConfig(32, 16, 32, 2, 2), CommitConfig(16, 16, 16, 1, 1)):
-            x = make_inputs(t, 1, 2, 32, 32, BF16, device, seed=9)
+            x = make_inputs(t, 1, 2, 32, 32, dtype, device, seed=9)
             res = tree_verify(*x.args(t), validate=False)
             closed = x.state.clone()
             commit_closed_form(closed, x.state_indices, res, accepted, validate=False)
@@ -104,13 +105,13 @@ def test_commit_products_match_the_closed_form_and_the_reference(device, monkeyp
             assert relative_error(x.state, closed) <= 1e-5, (config, relative_error(x.state, closed))
             if t is mixed:
                 ref = verify_reference(*x.args(t))
-                assert_close(x.state, ref.committed(before, x.state_indices, t, accepted), TOLERANCE[BF16],
+                assert_close(x.state, ref.committed(before, x.state_indices, t, accepted), TOLERANCE[dtype],
                              "committed")
         # three layers in one launch
-        results = LayerResults.empty(3, t, heads, BF16, device)
+        results = LayerResults.empty(3, t, heads, dtype, device)
         pools, closed = [], []
         for layer in range(3):
-            x = make_inputs(t, 1, 2, 32, 32, BF16, device, seed=20 + layer)
+            x = make_inputs(t, 1, 2, 32, 32, dtype, device, seed=20 + layer)
             if layer:
                 x.state_indices.copy_(pools[0][1])
             tree_verify(*x.args(t), out=results.layer(layer), validate=False)
