@@ -14,6 +14,10 @@ float64 reference first), 9B heads, bf16.
 
     python3 lab/exact_split.py [--json OUT] [--part commit|fold|both] [--repeats 20]
     TRITON_INTERPRET=1 python3 lab/exact_split.py --smoke
+
+Part 2 needs the fold's precision in the verify's launch key, which only commit f585fd1 has (the split products
+lost in the fold and main's `run.py` went back): on main a swapped precision would reuse the first binary, so the
+fold part refuses to run there; check out f585fd1 for it (`git worktree add /tmp/f f585fd1`).
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def commit_part(heads, device, repeats, rows, smoke):
 
 
 def fold_part(heads, device, repeats, rows, smoke):
+    import inspect
+
+    if "path_precision" not in inspect.getsource(run_module):
+        raise SystemExit("lab/exact_split.py --part fold: this run.py does not key its launches on the fold's "
+                         "precision; run it at commit f585fd1")
     shipped = run_module.FOLD_DOT_PRECISION
     for batch, size, kind in [(2, 8, "chain")] if smoke else FOLD_CASES:
         bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), device)

@@ -58,8 +58,6 @@ far fewer registers, so more programs stream per SM: the all-layer commit 10-12%
 values: their commits use fp32 FMAs."""
 
 
-
-
 # the per-layer strides of the factors read by gathered rows, the request count and the marks' layer stride
 # are not specialised: one binary per config serves every batch size and layer count (the tuner compiles
 # each config once per node block, not once per batch)
