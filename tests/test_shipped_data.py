@@ -187,6 +187,19 @@ def test_a_bucket_missing_from_the_recording_is_an_error(tmp_path):
     assert ReplayRunner(path).measure(key_from_text(first), KernelConfig(64, 32, 4, 2)).status == "ok"
 
 
+def _has_build_backend() -> bool:
+    """pyproject.toml's build requirements importable here: setuptools >= 68 and wheel (setuptools >= 70.1 builds
+    wheels by itself)."""
+    import importlib.util
+
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    version = tuple(int(part) for part in setuptools.__version__.split(".")[:2] if part.isdigit())
+    return version >= (70, 1) or (version >= (68,) and importlib.util.find_spec("wheel") is not None)
+
+
 def test_a_regular_install_finds_its_code_and_its_data(tmp_path):
     """A non-editable install (what `pip install bole-tune` gives) imports the library, not the YAML data
     folder, under `bole_tune.profiles`, and finds the shipped profiles, search space and database."""
@@ -199,8 +212,11 @@ def test_a_regular_install_finds_its_code_and_its_data(tmp_path):
         shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("cli.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                            str(source)], capture_output=True, text=True, cwd=tmp_path)
+    # the build backend pyproject.toml names, from this environment where it has one (a machine without a network,
+    # like the GPU machine, cannot fetch it into an isolated build environment), else fetched as pip does
+    flags = ["--no-build-isolation"] if _has_build_backend() else []
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *flags, "--target",
+                            str(target), str(source)], capture_output=True, text=True, cwd=tmp_path)
     assert built.returncode == 0, built.stderr[-2000:]
     code = ("from bole_tune.profiles import load_model, DEFAULT_MODELS; from bole_tune.search_space import SearchSpace; "
             "from bole_tune import database; from bole_tune.acceptance import list_acceptance_models; "
