@@ -9,6 +9,7 @@ float64 recurrence. The inputs of each dtype are saved (``--save``) so the inter
 (``--load``: the GPU's random draws differ from the CPU's).
 
     python3 lab/mixed_tree_accuracy.py [--json OUT] [--save CASE.pt] [--seeds 9,0,1,2]
+    python3 lab/mixed_tree_accuracy.py --sequence   # the test's order: the chain of 20 first, then the tree
     TRITON_INTERPRET=1 python3 lab/mixed_tree_accuracy.py --load CASE.pt
 """
 
@@ -63,14 +64,52 @@ def rows_for(x: GDNInputs, tree, tag: dict, rows: list) -> None:
                       beta=x.beta[worst].tolist(), g=x.g[worst].tolist()), rows)
 
 
+def sequence(rows: list) -> None:
+    """The failing test's calls in its order (a deep chain verified and committed first), the launches planned
+    for each, then the tree again after the launchers' kept binaries are dropped."""
+    import importlib
+
+    from bole_tune.kernels.verify.run import FUSED, RESIDENT
+    from bole_tune.shapes import HeadShape
+
+    PLANNER = importlib.import_module("bole_tune.kernels.verify.tree_verify").PLANNER
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
+    chain = make_tree([20, 9, 6], "chain", seed=3, device=device)
+    mixed = make_tree([7, 12, 5], "random", max_depth=8, seed=4, device=device)
+    for label, first in (("chain-then-tree", True), ("tree-after-clear", False)):
+        if not first:
+            RESIDENT.clear()
+            FUSED.clear()
+            PLANNER.clear()
+        for dtype in (torch.bfloat16,):
+            if first:
+                x = make_inputs(chain, 1, 2, 32, 32, dtype, device, seed=9)
+                res = tree_verify(*x.args(chain), validate=False)
+                tree_commit(x.state, x.state_indices, res, torch.tensor([19, -1, 3], device=device))
+                show({"step": label, "chain_launch": str(PLANNER.plan(
+                    heads, dtype,
+                    num_requests=3, max_tree_size=20, depth=chain.depth, device=x.q.device))}, rows)
+            x = make_inputs(mixed, 1, 2, 32, 32, dtype, device, seed=9)
+            show({"step": label, "tree_launch": str(PLANNER.plan(
+                heads, dtype,
+                num_requests=3, max_tree_size=12, depth=mixed.depth, device=x.q.device))}, rows)
+            rows_for(x, mixed, {"step": label, "dtype": str(dtype).split(".")[-1]}, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--seeds", default="9,0,1,2")
+    parser.add_argument("--sequence", action="store_true")
     args = parser.parse_args()
     rows = []
+    if args.sequence:
+        sequence(rows)
+        save(args.json, rows)
+        return
     if args.load:
         saved = torch.load(args.load)
         for name, fields in saved["inputs"].items():
