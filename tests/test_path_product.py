@@ -142,39 +142,3 @@ def test_a_kept_slot_is_never_read_whatever_its_index(device):
         assert relative_error(pool, want) <= 1e-5, bad
         kept = int(x.state_indices[1])
         assert torch.equal(pool[kept], x.state[kept])
-
-
-@pytest.mark.parametrize("sizes,kind,accepted", [([7, 12, 5], "random", [6, 99, -1]), ([20, 9, 6], "chain", [19, 0, 3])],
-                         ids=["tree-out-of-range-and-kept", "chain-deeper-than-a-pass"])
-def test_the_path_table_commits_what_the_search_does(device, monkeypatch, sizes, kind, accepted):
-    """The all-layer commit reads each request's path from a table (`tree_commit.PATH_TABLE_MIN_LAYERS`); one
-    layer's commit finds it in the tree. Both give the closed form, for paths of one pass and of two (depth 19),
-    a request that keeps its slot behind a padding slot index (-1, past the pool), and an accepted node out of range (unchecked:
-    nothing committed); a second launch over the same marks changes nothing."""
-    tree = make_tree(sizes, kind, max_depth=8, seed=5, device=device)
-    heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
-    accepted = torch.tensor(accepted, device=device)
-    results = LayerResults.empty(2, tree, heads, BF16, device)
-    pools = []
-    for layer in range(2):
-        x = make_inputs(tree, 1, 2, 32, 32, BF16, device, seed=40 + layer)
-        if layer:
-            x.state_indices.copy_(slots)
-        slots = x.state_indices
-        tree_verify(*x.args(tree), out=results.layer(layer), validate=False)
-        pools.append(x.state)
-    states = torch.stack(pools)
-    want = states.clone()
-    for layer in range(2):
-        commit_closed_form(want[layer], slots, results.layer(layer, tree), accepted, validate=False)
-    for least, how, bad in ((2, "table", -1), (2, "table", 1 << 30), (3, "search", -1)):
-        padded = slots.clone()
-        padded[accepted < 0] = bad  # a kept request's slot index may be padding
-        monkeypatch.setattr(tc, "PATH_TABLE_MIN_LAYERS", least)
-        trial = states.clone()
-        results.committed.zero_()
-        tree_commit_layers(trial, padded, results, tree, accepted, validate=False, config=CommitConfig(32, 16, 32, 2, 2))
-        assert relative_error(trial, want) <= 1e-5, how
-        again = trial.clone()
-        tree_commit_layers(again, padded, results, tree, accepted, validate=False, config=CommitConfig(32, 16, 32, 2, 2))
-        assert torch.equal(again, trial), how

@@ -36,12 +36,9 @@ def path_width(tree: TreeBatch) -> int:
 
 @triton.jit(do_not_specialize=["num_prev"])
 def pending_path_rows_kernel(map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit_ptr, depth_ptr, rows_ptr, num_prev,
-                             B_T: tl.constexpr, WIDTH: tl.constexpr, SAME_REQUESTS: tl.constexpr = False):
+                             B_T: tl.constexpr, WIDTH: tl.constexpr):
     i_r = tl.program_id(0).to(tl.int64)
-    if SAME_REQUESTS:  # request r's own path (the commit's table): no map to read
-        prev = i_r
-    else:
-        prev = tl.load(map_ptr + i_r).to(tl.int64)
+    prev = tl.load(map_ptr + i_r).to(tl.int64)
     ok = (prev >= 0) & (prev < num_prev)
     prev = tl.where(ok, prev, 0)
     accepted = tl.load(accepted_ptr + prev).to(tl.int64)
@@ -62,28 +59,19 @@ def pending_path_rows_kernel(map_ptr, accepted_ptr, offsets_ptr, enter_ptr, exit
 PENDING_ROWS = FastLauncher(pending_path_rows_kernel)
 
 
-def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torch.Tensor | None) -> torch.Tensor:
+def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torch.Tensor) -> torch.Tensor:
     """`PendingPaths.path_rows` ``[len(request_map), path_width(tree)]`` int32 on the tree's device. An accepted
-    node out of range, or a request_map entry out of range, gives an empty path (nothing is committed).
-    ``request_map=None``: each request's own path (``[B, width]``, the commit's table; nothing to allocate for the
-    map, so nothing a CUDA graph capture would have to keep)."""
+    node out of range, or a request_map entry out of range, gives an empty path (nothing is committed)."""
     device = tree.device
-    accepted = accepted.to(device)
-    if request_map is not None:
-        request_map = request_map.to(device)
-    count = tree.num_requests if request_map is None else len(request_map)
+    accepted, request_map = accepted.to(device), request_map.to(device)
     if not use_triton(device):
-        if request_map is None:
-            request_map = torch.arange(count, device=device)
         return pending_path_rows_torch(tree, accepted, request_map)
     width = path_width(tree)
-    rows = torch.empty((count, width), dtype=torch.int32, device=device)
-    if count:
+    rows = torch.empty((len(request_map), width), dtype=torch.int32, device=device)
+    if len(request_map):
         PENDING_ROWS(
-            (count,), accepted if request_map is None else request_map, accepted, tree.offsets, tree.dfs_enter,
-            tree.dfs_exit, tree.node_depth, rows, tree.num_requests,
-            B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=width,
-            SAME_REQUESTS=request_map is None)
+            (len(request_map),), request_map, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth, rows,
+            tree.num_requests, B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=width)
     return rows
 
 

@@ -21,9 +21,7 @@ enough programs).
 
 At one request a layer's commit is a 2 MiB state, too little to fill a GPU in one launch per layer;
 `tree_commit_layers` commits the stacked pools and factors of all of a step's layers in one launch (a
-fourth grid dimension: layer), with ``L`` times the programs, so it has its own tuned entries. Its programs read
-each request's path from a table worked out once per launch for all layers (`PATH_TABLE_MIN_LAYERS`,
-`pending.pending_path_rows`) instead of searching the tree.
+fourth grid dimension: layer), with ``L`` times the programs, so it has its own tuned entries.
 """
 
 from __future__ import annotations
@@ -48,16 +46,9 @@ from ..launcher import FastLauncher
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
 from .checks import check_commit_inputs
-from .pending import pending_path_rows
 from .result import TreeVerifyResult, commit_epoch
 
 DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
-PATH_TABLE_MIN_LAYERS = 2
-"""From this many layers a commit launch reads each request's path from a table (`pending.pending_path_rows`, one
-small launch before it, shared by all layers' programs) instead of finding it in the tree in every program: fewer
-dependent loads before a program's first store. H200, 9B, bf16, 24 layers at 128/16/128/2/3: B=16 20.1 against
-20.7 us a layer, B=32 39.5 against 40.7 (`lab/commit_lean.py`); at one layer the extra launch costs what it saves
-(B=16 29.0 against 28.6)."""
 COMMIT_PRODUCT = "split2"
 """The path update's product for 16-bit keys (`blocks.path_product`): the weighted values cut into a tf32 head and
 its remainder, two tensor-core passes accumulated in fp32 into the state tile (about 2^-21 relative per product:
@@ -70,45 +61,21 @@ values: their commits use fp32 FMAs."""
 # the per-layer strides of the factors read by gathered rows, the request count and the marks' layer stride
 # are not specialised: one binary per config serves every batch size and layer count (the tuner compiles
 # each config once per node block, not once per batch)
-@triton.jit(do_not_specialize=["epoch", "num_requests", "num_slots", "stride_logp_layer", "stride_k_scale_layer",
+@triton.jit(do_not_specialize=["epoch", "num_requests", "stride_logp_layer", "stride_k_scale_layer",
                                "stride_committed_layer"])
 def tree_commit_kernel(
-    # state pool and request metadata (path_rows_ptr: the launch's path table, read where PATH_TABLE)
+    # state pool and request metadata
     state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
-    path_rows_ptr,
     # factors from the verification
     u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch,
     # strides (per layer: 0 for a single layer)
     stride_s_layer, stride_s_slot, stride_s_h, stride_s_v,
     stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, stride_committed_layer, num_requests,
-    num_slots,
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
-    PRODUCT: tl.constexpr = "ieee", PATH_TABLE: tl.constexpr = False, W_P: tl.constexpr = 16,
+    PRODUCT: tl.constexpr = "ieee",
 ):
-    if PATH_TABLE:
-        commit_from_table(state_ptr, state_indices_ptr, path_rows_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr,
-                          committed_ptr, epoch, stride_s_layer, stride_s_slot, stride_s_h, stride_s_v,
-                          stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer,
-                          stride_committed_layer, num_requests, num_slots, H_V, H_K, D_K, D_V, B_K, B_V, V_SPAN,
-                          B_P, PRODUCT, W_P)
-    else:
-        commit_searching(state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr,
-                         node_depth_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch, stride_s_layer,
-                         stride_s_slot, stride_s_h, stride_s_v, stride_u_layer, stride_logp_layer, stride_k_layer,
-                         stride_k_scale_layer, stride_committed_layer, num_requests, H_V, H_K, D_K, D_V, B_T, B_K,
-                         B_V, V_SPAN, B_P, PRODUCT)
-
-
-@triton.jit
-def commit_searching(state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr,
-                     node_depth_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch, stride_s_layer,
-                     stride_s_slot, stride_s_h, stride_s_v, stride_u_layer, stride_logp_layer, stride_k_layer,
-                     stride_k_scale_layer, stride_committed_layer, num_requests, H_V, H_K, D_K: tl.constexpr,
-                     D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
-                     V_SPAN: tl.constexpr, B_P: tl.constexpr, PRODUCT: tl.constexpr):
-    """A program's commit that finds its request's path in the tree itself (one layer's launch)."""
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64) // num_requests
@@ -150,66 +117,6 @@ def commit_searching(state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, df
                                                      node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
                         stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
-
-
-@triton.jit
-def commit_from_table(state_ptr, state_indices_ptr, path_rows_ptr, u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr,
-                      epoch, stride_s_layer, stride_s_slot, stride_s_h, stride_s_v, stride_u_layer, stride_logp_layer,
-                      stride_k_layer, stride_k_scale_layer, stride_committed_layer, num_requests, num_slots, H_V, H_K,
-                      D_K: tl.constexpr, D_V: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
-                      V_SPAN: tl.constexpr, B_P: tl.constexpr, PRODUCT: tl.constexpr, W_P: tl.constexpr):
-    """A program's commit that reads its request's path from the launch's table (``path_rows_ptr``, ``[B, W_P]``
-    packed rows by depth, -1 past the accepted node and for a request that keeps its slot: `pending_path_rows`,
-    worked out once for all layers). The first state tile is requested right after the slot, masked only by the
-    slot's range (a kept request's slot may be padding), so it streams in while the path's loads resolve."""
-    i_tile = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_l = tl.program_id(2).to(tl.int64) // num_requests
-    i_r = tl.program_id(2).to(tl.int64) % num_requests
-    state_ptr += i_l * stride_s_layer
-    u_ptr += i_l * stride_u_layer
-    logp_ptr += i_l * stride_logp_layer
-    k_ptr += i_l * stride_k_layer
-    k_scale_ptr += i_l * stride_k_scale_layer
-    committed_ptr += i_l * stride_committed_layer
-    i_hk = i_h // (H_V // H_K)
-    i_span = i_tile // (D_K // B_K)
-    i_k = i_tile % (D_K // B_K)
-    slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
-    o_k = i_k * B_K + tl.arange(0, B_K)
-    p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=(slot >= 0) & (slot < num_slots),
-                      other=0)
-    table = tl.load(path_rows_ptr + i_r * W_P + tl.arange(0, W_P))
-    row_a = tl.max(table, axis=0).to(tl.int64)  # parents precede children: the accepted node is the last row
-    mark = tl.load(committed_ptr + i_r)
-    if (row_a >= 0) & ((mark == 0) | (mark == epoch)):
-        tl.store(committed_ptr + i_r, epoch)
-        logp_a = tl.load(logp_ptr + row_a * H_V + i_h)
-        rows, m_p, weight = table_path(path_rows_ptr, i_r, 0, logp_a, i_h, i_hk, logp_ptr, k_scale_ptr, H_V, H_K,
-                                       W_P, B_P)
-        commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
-        for i_p in range(1, (tl.sum((table >= 0).to(tl.int32), axis=0) - 1) // B_P + 1):  # paths deeper than B_P
-            tl.debug_barrier()
-            rows, m_p, weight = table_path(path_rows_ptr, i_r, i_p, logp_a, i_h, i_hk, logp_ptr, k_scale_ptr, H_V,
-                                           H_K, W_P, B_P)
-            commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
-
-
-@triton.jit
-def table_path(path_rows_ptr, i_r, i_p, logp_a, i_h, i_hk, logp_ptr, k_scale_ptr, H_V, H_K, W_P: tl.constexpr,
-               B_P: tl.constexpr):
-    """Columns ``i_p * B_P ..`` of request ``i_r``'s path table: rows (0 where empty), mask and weights
-    ``exp(logP_a - logP_j) * k_scale_j`` (0 off the path), as `blocks.path_factors` gives them."""
-    o_p = i_p * B_P + tl.arange(0, B_P)
-    rows = tl.load(path_rows_ptr + i_r * W_P + o_p, mask=o_p < W_P, other=-1).to(tl.int64)
-    m_p = rows >= 0
-    rows = tl.where(m_p, rows, 0)
-    logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
-    scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
-    return rows, m_p, tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0)
 
 
 @triton.jit
@@ -381,19 +288,14 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     b_k, v_span, num_requests = config.b_k, config.v_span, len(tree.sizes)
     grid = ((dv // v_span) * (dk // b_k), hv, layers * num_requests)
     offsets, enter, leave, depth = tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth
-    table = layers >= PATH_TABLE_MIN_LAYERS
-    # the path table, one small launch shared by the layers' programs (else a pointer never read)
-    path_rows = pending_path_rows(tree, accepted, None) if table else accepted
-    width = path_rows.shape[1] if table else 16
-    tensors = (states, state_indices, accepted, offsets, enter, leave, depth, path_rows, u, log_decay, k, k_scale,
-               committed)
-    scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests, states.shape[-4])
+    tensors = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed)
+    scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
     pointers = tuple(map(_data_ptr, tensors))
     block = node_block(tree.max_tree_size)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = None if reduce(or_, pointers) & 15 else (
         config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-        k_scale.dtype, committed.dtype, product, table, width, *state_strides, *layer_strides)
+        k_scale.dtype, committed.dtype, product, *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
-        PRODUCT=product, PATH_TABLE=table, W_P=width, num_warps=config.num_warps, num_stages=config.num_stages))
+        PRODUCT=product, num_warps=config.num_warps, num_stages=config.num_stages))
