@@ -8,6 +8,9 @@ contiguous buffer of the same bytes (the copy floor the issue's <= 1.25x is stat
 
     python3 lab/commit_table.py [--json OUT] [--repeats 15]
     TRITON_INTERPRET=1 python3 lab/commit_table.py --smoke
+
+The switch exists at commit eb6a7ca only (the table gained 0-1% at B >= 16 and lost 5% at B=1, so main reverted
+it): run this script from a checkout of that commit (`git worktree add /tmp/t eb6a7ca`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    if not hasattr(tc, "PATH_TABLE_MIN_LAYERS"):
+        raise SystemExit("lab/commit_table.py: this kernel has no PATH_TABLE_MIN_LAYERS switch; run it at eb6a7ca")
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     rows = []
