@@ -4,6 +4,7 @@ captured from a CPU call with CPU tensors of the same dtypes and alignments), co
 and ptxas, read back with the cuobjdump and nvdisasm Triton ships.
 
     python3 lab/sass_stats.py --batch 16 --tree-size 4 --kind chain [--fold] [--config 32/128/2/3] [--variant stream]
+    python3 lab/sass_stats.py --batch 32 --tree-size 8 --ring read     # a PendingRing's read (or write) round, R=4
 
 Static counts only: what an instruction costs on the GPU is measured there.
 """
@@ -74,13 +75,14 @@ def main() -> None:
     parser.add_argument("--fold", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rows-first", type=int, choices=(0, 1), help="override run.ROWS_FIRST for this launch")
+    parser.add_argument("--ring", choices=("read", "write"), help="a PendingRing's round (R = 4) instead")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
     case = BenchCase(heads, args.batch, args.tree_size, torch.bfloat16, 8, kind=args.kind)
     bench = CaseBench(case, "cpu")
     config = KernelConfig(*map(int, args.config.split("/"))) if args.config else None
-    launch = bench.launch(config=config, variant=args.variant, fold=args.fold)
+    launch = bench.launch(config=config, variant=args.variant, fold=args.fold or args.ring == "write")
     captured = {}
     if args.rows_first is not None:
         run_module.ROWS_FIRST["fold" if args.fold else "verify"] = bool(args.rows_first)
@@ -98,7 +100,15 @@ def main() -> None:
         use = tv.use_triton
         tv.use_triton = lambda device: True
         try:
-            tree_verify(*x.args(tree), validate=False, launch=launch)
+            if args.ring:
+                from bole_tune.kernels import PendingRing
+
+                ring = PendingRing(x.state.shape[0], 4, tree.depth + 1, tree.num_nodes, tree.num_requests, "cpu")
+                step = ring.begin(tree, write=args.ring == "write")
+                tree_verify(*x.args(tree), validate=False, launch=launch,
+                            ring=step.layer(ring.results(heads, torch.bfloat16)))
+            else:
+                tree_verify(*x.args(tree), validate=False, launch=launch)
         finally:
             tv.use_triton = use
     finally:
@@ -108,7 +118,7 @@ def main() -> None:
     meta["DOT_PRECISION"] = "tf32"
     compiled = compile_for_h200(kernel.fn, captured["args"], meta)
     report = sass_report(compiled)
-    print(f"{launch.variant} {launch.config} fold={args.fold} grid={captured['grid']} registers={report['registers']} "
+    print(f"{launch.variant} {launch.config} fold={args.fold} ring={args.ring} grid={captured['grid']} registers={report['registers']} "
           f"stack={report['stack']} local={report['local']} shared={report['shared']} "
           f"instructions={report['instructions']}")
     print(" ".join(f"{k}:{v}" for k, v in list(report["ops"].items())[:args.top]))

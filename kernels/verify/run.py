@@ -30,6 +30,14 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 (BENCHMARKS.md, "A layer's round")."""
 
 
+CORRECT_DOT_PRECISION: str | None = None
+"""Precision of a ring read round's correction products (``[B_T, B_P] x [B_P, b_v]``, `blocks.pending_corrections`):
+None takes the verify's own state products' (`common.dot_precision`: tf32 for 16-bit inputs, three tf32 passes for
+fp32), which is what the corrections stand in for (``S' x`` read through the pending tokens instead of ``S x``); the
+write round keeps `FOLD_DOT_PRECISION` (it writes the state). Three tf32 passes here held the H200's 9B read launch
+at 226 registers a thread (2 programs per SM at B=32, 4 warps), one pass at 166 (3 per SM; `lab/sass_stats.py
+--ring read`)."""
+
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
@@ -74,16 +82,17 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
         fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
         width = table.width
-        fold_key = ("ring", correct, arena.k.dtype, width)
+        fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
+        fold_key = ("ring", correct, arena.k.dtype, width, fold_dot)
         tensors += fold[:7]
     elif pending is None:  # the fold's pointers are never read: None keeps the launch short
-        fold, fold_key, width = _NO_FOLD, None, 16
+        fold, fold_key, width, fold_dot = _NO_FOLD, None, 16, FOLD_DOT_PRECISION
     else:
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
                 commit_epoch())
-        width = paths.path_rows.shape[1]
-        fold_key = (paths.request_map.dtype, prev.k.dtype, width)
+        width, fold_dot = paths.path_rows.shape[1], FOLD_DOT_PRECISION
+        fold_key = (paths.request_map.dtype, prev.k.dtype, width, fold_dot)
         tensors += fold[:7]
     pointers = tuple(map(_data_ptr, tensors))
     bits = reduce(or_, pointers)
@@ -111,7 +120,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         if pending is None and ring is None:
             extra.update(FOLD=False)
         else:
-            extra.update(FOLD=True, FOLD_DOT=FOLD_DOT_PRECISION, B_P=width, RING=ring is not None, CORRECT=correct)
+            extra.update(FOLD=True, FOLD_DOT=fold_dot, B_P=width, RING=ring is not None, CORRECT=correct)
         return dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
                     USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
                     num_warps=config.num_warps, num_stages=config.num_stages)
