@@ -1,5 +1,6 @@
 """Issue 17, twelfth session: a ring read round's correction products at the verify's precision (tf32 for 16-bit
-inputs, `run.CORRECT_DOT_PRECISION = None`) against three tf32 passes (the write round's, as shipped before).
+inputs, `run.CORRECT_DOT_PRECISION = None`) against three tf32 passes (the write round's, as shipped before), and
+taken before the state's stream (`run.CORRECT_BEFORE_STREAM`) or after it.
 
 Per case (9B heads, bf16): the ring's outputs over five rounds (R = 4, read and write rounds) and the flushed slots
 against the float64 recurrence (`verify_reference`, the truth pool committed round by round), for each precision;
@@ -23,7 +24,9 @@ from bole_tune.shapes import HeadShape
 from lab_rows import release, save, show
 
 CASES = [(32, 8, "chain"), (32, 4, "chain"), (16, 4, "chain"), (16, 8, "random"), (1, 4, "chain")]
-PRECISIONS = {"tf32x3": "tf32x3", "verify's": None}
+VARIANTS = {"tf32x3, after the stream": ("tf32x3", False), "verify's, after the stream": (None, False),
+            "verify's, before the stream": (None, True)}
+"""(`run.CORRECT_DOT_PRECISION`, `run.CORRECT_BEFORE_STREAM`); the first is the read round as shipped before."""
 ROUNDS = 4
 
 
@@ -58,12 +61,13 @@ def main() -> None:
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     rows = []
+    shipped = run_module.CORRECT_DOT_PRECISION, run_module.CORRECT_BEFORE_STREAM
     for batch, size, kind in [(2, 8, "chain")] if args.smoke else CASES:
         bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), device)
         read, write = bench.launch(), bench.launch(fold=True)
-        for name, precision in PRECISIONS.items():
-            run_module.CORRECT_DOT_PRECISION = precision
-            row = {"batch": batch, "tree_size": size, "kind": kind, "correct_dot": name}
+        for name, (precision, before) in VARIANTS.items():
+            run_module.CORRECT_DOT_PRECISION, run_module.CORRECT_BEFORE_STREAM = precision, before
+            row = {"batch": batch, "tree_size": size, "kind": kind, "corrections": name}
             try:
                 row["o_error"], row["state_error"] = against_float64(bench, read, write)
                 if not args.smoke:
@@ -72,7 +76,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
             show(row, rows)
-        run_module.CORRECT_DOT_PRECISION = None
+        run_module.CORRECT_DOT_PRECISION, run_module.CORRECT_BEFORE_STREAM = shipped
         bench = None
         release(device)
     save(args.json, rows)

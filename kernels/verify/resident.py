@@ -69,6 +69,7 @@ def tree_verify_resident_kernel(
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
     ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
+    CORRECT_FIRST: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -114,9 +115,16 @@ def tree_verify_resident_kernel(
             b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
         if FOLD and not CORRECT:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        if CORRECT and CORRECT_FIRST:  # the corrections start the products; the stream then reads P S, not S
+            b_qs, b_ks = pending_corrections(
+                b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
             b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+            if CORRECT and CORRECT_FIRST:
+                b_s = decay_p * b_s
             b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
                 q_ptr, k_ptr, k_out_ptr, rows, m_i, o_k, i_hk, write_keys,
                 stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_qk, b_kk, ssq_q, ssq_k,
@@ -128,7 +136,7 @@ def tree_verify_resident_kernel(
                 b_qs, b_ks = state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)
             else:
                 b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-        if CORRECT:  # run.py never pairs CORRECT with ROWS_FIRST
+        if CORRECT and not CORRECT_FIRST:  # run.py never pairs CORRECT with ROWS_FIRST
             b_qs, b_ks = pending_corrections(
                 b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                 rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,

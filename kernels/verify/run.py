@@ -38,6 +38,12 @@ write round keeps `FOLD_DOT_PRECISION` (it writes the state). Three tf32 passes 
 at 226 registers a thread (2 programs per SM at B=32, 4 warps), one pass at 166 (3 per SM; `lab/sass_stats.py
 --ring read`)."""
 
+CORRECT_BEFORE_STREAM = True
+"""Where a ring read round's stream launch (the resident kernel's state-first order) takes its corrections: before
+the state's stream, as the products' starting values, the stream then reading ``P S`` (each state tile scaled by the
+pending tokens' decay as it arrives), instead of after it, where the corrections' operands and the stream's products
+are live at once (`lab/ring_correct_dot.py`)."""
+
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
@@ -83,7 +89,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
         width = table.width
         fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
-        fold_key = ("ring", correct, arena.k.dtype, width, fold_dot)
+        fold_key = ("ring", correct, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
         tensors += fold[:7]
     elif pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold, fold_key, width, fold_dot = _NO_FOLD, None, 16, FOLD_DOT_PRECISION
@@ -114,7 +120,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     def meta() -> dict:
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
-                     "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first}
+                     "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first,
+                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM}
         else:
             extra = {}
         if pending is None and ring is None:
