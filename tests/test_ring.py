@@ -91,6 +91,20 @@ def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
     assert writes == (num_rounds - 1) // rounds  # rounds R, 2R, ...: the first R rounds read
 
 
+@pytest.mark.parametrize("case", ["stream-bf16-chains-R3", "stream-key-steps-bf16-trees-R2", "stream-fp32-chains-R1",
+                                  "fused-bf16-multi-block-R2"])
+def test_read_round_corrections_before_the_stream_at_the_verify_precision(device, case, monkeypatch):
+    """The read round's other settings (`run.CORRECT_BEFORE_STREAM`: the corrections start the products and the
+    stream reads the decayed state; `run.CORRECT_DOT_PRECISION = None`: their products at the verify's precision)
+    give the recurrence too (the fused kernel ignores the placement)."""
+    from bole_tune.kernels.verify import run as run_module
+
+    monkeypatch.setattr(run_module, "CORRECT_BEFORE_STREAM", True)
+    monkeypatch.setattr(run_module, "CORRECT_DOT_PRECISION", None)
+    variant, dtype, rounds, kind, num_rounds, *config = CASES[case]
+    assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
+
+
 @pytest.mark.parametrize("case,force", [("stream-bf16-chains-R3", (1, 2, 5)), ("fused-fp32-trees-R2", (3,))])
 def test_ring_rounds_written_early_match_the_recurrence(device, case, force):
     """Write rounds asked for early (`begin(write=True)`: after one round, two in a row, and with the tables full

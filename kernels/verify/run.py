@@ -30,19 +30,21 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 (BENCHMARKS.md, "A layer's round")."""
 
 
-CORRECT_DOT_PRECISION: str | None = None
-"""Precision of a ring read round's correction products (``[B_T, B_P] x [B_P, b_v]``, `blocks.pending_corrections`):
-None takes the verify's own state products' (`common.dot_precision`: tf32 for 16-bit inputs, three tf32 passes for
-fp32), which is what the corrections stand in for (``S' x`` read through the pending tokens instead of ``S x``); the
-write round keeps `FOLD_DOT_PRECISION` (it writes the state). Three tf32 passes here held the H200's 9B read launch
-at 226 registers a thread (2 programs per SM at B=32, 4 warps), one pass at 166 (3 per SM; `lab/sass_stats.py
---ring read`)."""
+CORRECT_DOT_PRECISION: str | None = "tf32x3"
+"""Precision of a ring read round's correction products (``[B_T, B_P] x [B_P, b_v]``, `blocks.pending_corrections`),
+as the write round's fold (`FOLD_DOT_PRECISION`): the precision the ring was measured and checked with on the H200.
+None takes the verify's own state products' instead (`common.dot_precision`: tf32 for 16-bit inputs), what the
+corrections stand in for (``S' x`` read through the pending tokens instead of ``S x``): compiled for sm_90 on the
+CPU (`lab/sass_stats.py --ring read`) the 9B B=32 read launch (32/128/4/3) holds 166 registers a thread with it
+against 226 (3 programs per SM instead of 2), but it has not run on a GPU yet (`lab/ring_correct_dot.py` times it
+and checks it against float64): not the default until it has."""
 
-CORRECT_BEFORE_STREAM = True
-"""Where a ring read round's stream launch (the resident kernel's state-first order) takes its corrections: before
-the state's stream, as the products' starting values, the stream then reading ``P S`` (each state tile scaled by the
-pending tokens' decay as it arrives), instead of after it, where the corrections' operands and the stream's products
-are live at once (`lab/ring_correct_dot.py`)."""
+CORRECT_BEFORE_STREAM = False
+"""Where a ring read round's stream launch (the resident kernel's state-first order) takes its corrections: True,
+before the state's stream, as the products' starting values, the stream then reading ``P S`` (each state tile
+scaled by the pending tokens' decay as it arrives: 150 registers a thread at the launch above, with
+``CORRECT_DOT_PRECISION = None``); False, after it (as measured on the H200). Exact either way (the CPU tests run
+both); `lab/ring_correct_dot.py` compares them on a GPU."""
 
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
