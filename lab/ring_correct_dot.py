@@ -6,7 +6,7 @@ Per case (9B heads, bf16): the ring's outputs over five rounds (R = 4, read and 
 against the float64 recurrence (`verify_reference`, the truth pool committed round by round), for each precision;
 then the ring's rounds timed side by side (`CaseBench.time_ring`, 24 layers, one CUDA graph, median per launch).
 
-    python3 lab/ring_correct_dot.py [--json OUT] [--repeats 10]
+    python3 lab/ring_correct_dot.py [--json OUT] [--repeats 10] [--rounds 2,4]
     TRITON_INTERPRET=1 python3 lab/ring_correct_dot.py --smoke
 """
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--rounds", default=str(ROUNDS), help="comma list of ring sizes R to time (default 4)")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
@@ -70,9 +71,9 @@ def main() -> None:
             row = {"batch": batch, "tree_size": size, "kind": kind, "corrections": name}
             try:
                 row["o_error"], row["state_error"] = against_float64(bench, read, write)
-                if not args.smoke:
-                    row.update({k: t.p50_us for k, t in bench.time_ring(ROUNDS, 24, args.repeats, read_launch=read,
-                                                                        write_launch=write).items()})
+                for r in [] if args.smoke else map(int, args.rounds.split(",")):
+                    times = bench.time_ring(r, 24, args.repeats, read_launch=read, write_launch=write)
+                    row.update({(k if r == ROUNDS else f"{k}_R{r}"): t.p50_us for k, t in times.items()})
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
             show(row, rows)
