@@ -56,6 +56,10 @@ the committed state within 2.3e-7 of the closed form on the H200, fp32 FMAs 6.3e
 far fewer registers, so more programs stream per SM: the all-layer commit 10-12% faster at B >= 16, 22% at B=1
 ("split3", exact pieces, measured the same within 1%; BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32
 values: their commits use fp32 FMAs."""
+COMMIT_STATE_HINTS = ("", "")
+"""The state tiles' cache hints: (the loads' eviction policy, the stores' cache modifier), each "" for none (the
+measured launch), e.g. ("evict_first", ".cs"): each tile is read once and written once, so the hints keep it from
+displacing the path factors that every program of a head reads. A switch for the lab (`lab/commit_hints.py`)."""
 
 
 # the per-layer strides of the factors read by gathered rows, the request count and the marks' layer stride
@@ -74,7 +78,7 @@ def tree_commit_kernel(
     # sizes and meta-parameters
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
-    PRODUCT: tl.constexpr = "ieee",
+    PRODUCT: tl.constexpr = "ieee", LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -101,7 +105,8 @@ def tree_commit_kernel(
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
     o_k = i_k * B_K + tl.arange(0, B_K)
     p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0)
+    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0,
+                      eviction_policy=LOAD_HINT)
     if commit:
         tl.store(committed_ptr + i_r, epoch)
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
@@ -110,19 +115,19 @@ def tree_commit_kernel(
         rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                  node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
         commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
+                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
         for i_p in range(1, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
             tl.debug_barrier()
             rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                      node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT)
+                        stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
 
 
 @triton.jit
 def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, decay, o_k, i_h, i_hk, i_span, u_ptr,
                 k_ptr, stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr, B_V: tl.constexpr,
-                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr):
+                V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
     """One pass of a path's nodes (``rows``, ``weight``) over the program's ``V_SPAN`` state rows, in ``[B_V, b_k]``
     tiles: each read (the first one already requested where ``HAVE_FIRST``), decayed, updated and written back."""
     b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
@@ -132,14 +137,14 @@ def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, de
         o_c = tl.arange(0, B_V)
         tl.store(p_slab + o_c[:, None] * stride_s_v,
                  commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                             PRODUCT))
+                             PRODUCT), cache_modifier=STORE_HINT)
         first = 1
     for i_c in range(first, V_SPAN // B_V):
         o_c = i_c * B_V + tl.arange(0, B_V)
-        b_s = tl.load(p_slab + o_c[:, None] * stride_s_v)
+        b_s = tl.load(p_slab + o_c[:, None] * stride_s_v, eviction_policy=LOAD_HINT)
         tl.store(p_slab + o_c[:, None] * stride_s_v,
                  commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                             PRODUCT))
+                             PRODUCT), cache_modifier=STORE_HINT)
 
 
 @triton.jit
@@ -295,7 +300,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = None if reduce(or_, pointers) & 15 else (
         config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-        k_scale.dtype, committed.dtype, product, *state_strides, *layer_strides)
+        k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
-        PRODUCT=product, num_warps=config.num_warps, num_stages=config.num_stages))
+        PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], num_warps=config.num_warps, num_stages=config.num_stages))

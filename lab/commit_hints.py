@@ -1,0 +1,75 @@
+"""Issue 17, thirteenth session: the all-layer commit with cache hints on its state tiles
+(`tree_commit.COMMIT_STATE_HINTS`: the loads' eviction policy, the stores' cache modifier).
+
+Every state tile is read once and written once; the path factors (`u`, `k` rows) are read by every program of a
+head. Per batch (9B heads, bf16, 8-node trees, 24 layers per launch, the bucket's tuned config): each hint pair
+checked against the float64 closed form (`CommitBench.check`), then timed (one CUDA graph over pools rotating past
+L2, median per launch, per layer), all pairs twice in turn to show the noise; beside them the copy floor
+(`mul_(1.0)` over a contiguous buffer of the same bytes) the issue's <= 1.25x is stated against.
+
+    python3 lab/commit_hints.py [--json OUT] [--batch 16,32] [--repeats 20]
+    TRITON_INTERPRET=1 python3 lab/commit_hints.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bole_tune.commit_bench import CommitBench
+from bole_tune.config import default_commit_config
+from bole_tune.database import CommitKey
+from bole_tune.kernels.verify import tree_commit as commit_module
+from bole_tune.lookup import tuned_commit
+from bole_tune.shapes import HeadShape
+from bole_tune.timing import time_launches
+from lab_rows import release, save, show
+
+HINTS = [("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"), ("evict_last", ""), ("", ".cg")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--batch", default="16,32")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
+    device = "cpu" if args.smoke else "cuda"
+    layers = 2 if args.smoke else args.layers
+    rows, shipped = [], commit_module.COMMIT_STATE_HINTS
+    for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
+        key = CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers)
+        bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
+        config = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
+                               torch.device(device)) if not args.smoke else None) \
+            or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
+        base = {"batch": batch, "layers": layers, "config": config.text}
+        for turn in range(1 if args.smoke else 2):
+            for hints in HINTS:
+                commit_module.COMMIT_STATE_HINTS = hints
+                row = dict(base, hints="/".join(h or "-" for h in hints), turn=turn)
+                try:
+                    row["error"] = bench.check(config)
+                    if not args.smoke:
+                        row["us_per_layer"] = bench.time(config, args.repeats).p50_us / layers
+                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+                show(row, rows)
+            commit_module.COMMIT_STATE_HINTS = shipped
+        if not args.smoke:
+            _, states, results, _, _ = bench.sets()
+            flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
+            row = dict(base, hints="mul_ contiguous (copy floor)")
+            row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, args.repeats).p50_us / layers
+            show(row, rows)
+        bench = None
+        release(device)
+    save(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
