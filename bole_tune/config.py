@@ -188,3 +188,8 @@ def node_block(max_tree_size: int) -> int:
 RING_ROUNDS = 4
 """The rounds a `PendingRing` keeps pending in `bole-tune bench`'s ring rows: the best of 4 and 8 for B=16 4-node
 chains in `lab/ring_after.py` (a read round's corrections grow with the tokens held; BENCHMARKS.md)."""
+
+SHORT_RING_ROUNDS = 2
+"""A shorter ring `bole-tune step` also times (its ``"ring of 2"`` round): its tables are half as wide, so its read
+rounds are cheaper and its write rounds twice as frequent; on the H200 it wins where the paths are long and the batch
+large (9B B=32 8-node chains: 52.2 against 54.2 us per layer and round; B=32 4-node chains: 50.7 against 43.8)."""

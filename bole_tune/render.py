@@ -13,7 +13,7 @@ import math
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from bole_tune.config import KernelConfig
+from bole_tune.config import SHORT_RING_ROUNDS, KernelConfig
 from bole_tune.database import ShapeKey
 
 
@@ -141,7 +141,7 @@ def curve_summaries(data: dict) -> list[str]:
 
 
 GDN_ROUND_LABELS = {"verify + commit": "commit", "verify + all-layer commit": "all layers", "folded": "folded",
-                    "ring": "ring"}
+                    "ring": "ring", f"ring of {SHORT_RING_ROUNDS}": f"ring of {SHORT_RING_ROUNDS}"}
 """Short names of `bole_tune.step_latency.GDN_ROUNDS` for the step table."""
 
 STEP_FIELDS = ("gdn_us", "gdn_serial_us", "attention_us", "lm_head_us", "step_us", "step_serial_us")

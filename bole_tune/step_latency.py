@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from bole_tune import database
 from bole_tune.fingerprint import fingerprint
 from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
-from bole_tune.config import RING_ROUNDS
+from bole_tune.config import RING_ROUNDS, SHORT_RING_ROUNDS
 from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, PendingRing, gdn_gates, serial_verify,
                                tree_commit_layers, tree_conv, tree_conv_commit, tree_verify)
 from bole_tune.profiler import provenance
@@ -58,14 +58,15 @@ METHOD = ("one GDN layer round (conv, gates, tree_verify with the tuned configs,
           "step = gdn_layers x GDN + attention_layers x attention + LM head")
 SERIAL_MAX_TREE = 64  # serial_verify's snapshots make larger trees slow to time and say nothing new
 
-GDN_ROUNDS = ("verify + commit", "verify + all-layer commit", "folded", "ring")
+GDN_ROUNDS = ("verify + commit", "verify + all-layer commit", "folded", "ring", f"ring of {SHORT_RING_ROUNDS}")
 """The ways a GDN layer's round is timed (`StepModel.gdn_round_us`); a point's ``gdn_us`` is the cheapest:
 ``verify + commit`` the layer then `gdn_tree_commit` (one-layer recurrent commit and conv commit);
 ``verify + all-layer commit`` the layer with its conv commit, plus one `tree_commit_layers` launch over all of the
 model's GDN layers divided by their number; ``folded`` the layer whose `tree_verify` commits the previous round's
 path first (``pending``), then its conv commit; ``ring`` the layer reading its state through a `PendingRing` of
 `RING_ROUNDS` rounds of pending paths (``ring``), then its conv commit, over a cycle: ``((R - 1) read rounds + one
-write round) / R`` plus the ring's table update (once per round for every layer) divided by the layers."""
+write round) / R`` plus the ring's table update (once per round for every layer) divided by the layers; ``ring of 2``
+the same with a ring of `SHORT_RING_ROUNDS` rounds (``PendingRing(..., rounds=2, ...)``)."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ class StepModel:
             ways["verify + all-layer commit"] = time(lambda: self.gdn_layer("bole", "conv")) + time(commit, layers)
         ways["folded"] = time(self.gdn_folded_rounds, 2)
         ways["ring"] = self.gdn_ring_round_us(time, layers)
+        ways[f"ring of {SHORT_RING_ROUNDS}"] = self.gdn_ring_round_us(time, layers, SHORT_RING_ROUNDS)
         return ways
 
     def gdn_ring_round_us(self, time, layers: int, rounds: int = RING_ROUNDS) -> float:

@@ -93,14 +93,16 @@ def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
 
 @pytest.mark.parametrize("case", ["stream-bf16-chains-R3", "stream-key-steps-bf16-trees-R2", "stream-fp32-chains-R1",
                                   "fused-bf16-multi-block-R2"])
-def test_read_round_corrections_before_the_stream_at_the_verify_precision(device, case, monkeypatch):
+@pytest.mark.parametrize("precision,before", [("tf32x3", False), (None, True)])
+def test_read_round_corrections_other_placements_and_precisions(device, case, precision, before, monkeypatch):
     """The read round's other settings (`run.CORRECT_BEFORE_STREAM`: the corrections start the products and the
-    stream reads the decayed state; `run.CORRECT_DOT_PRECISION = None`: their products at the verify's precision)
+    stream reads the decayed state; `run.CORRECT_DOT_PRECISION = "tf32x3"`: their products on three tf32 passes)
     give the recurrence too (the fused kernel ignores the placement)."""
     from bole_tune.kernels.verify import run as run_module
 
-    monkeypatch.setattr(run_module, "CORRECT_BEFORE_STREAM", True)
-    monkeypatch.setattr(run_module, "CORRECT_DOT_PRECISION", None)
+    assert (precision, before) != (run_module.CORRECT_DOT_PRECISION, run_module.CORRECT_BEFORE_STREAM)
+    monkeypatch.setattr(run_module, "CORRECT_BEFORE_STREAM", before)
+    monkeypatch.setattr(run_module, "CORRECT_DOT_PRECISION", precision)
     variant, dtype, rounds, kind, num_rounds, *config = CASES[case]
     assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
 

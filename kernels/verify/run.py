@@ -30,21 +30,23 @@ FMAs ("ieee"): a B=16 round of 4-node chains 41.0 against 53.6 us, of 64-node tr
 (BENCHMARKS.md, "A layer's round")."""
 
 
-CORRECT_DOT_PRECISION: str | None = "tf32x3"
-"""Precision of a ring read round's correction products (``[B_T, B_P] x [B_P, b_v]``, `blocks.pending_corrections`),
-as the write round's fold (`FOLD_DOT_PRECISION`): the precision the ring was measured and checked with on the H200.
-None takes the verify's own state products' instead (`common.dot_precision`: tf32 for 16-bit inputs), what the
-corrections stand in for (``S' x`` read through the pending tokens instead of ``S x``): compiled for sm_90 on the
-CPU (`lab/sass_stats.py --ring read`) the 9B B=32 read launch (32/128/4/3) holds 166 registers a thread with it
-against 226 (3 programs per SM instead of 2), but it has not run on a GPU yet (`lab/ring_correct_dot.py` times it
-and checks it against float64): not the default until it has."""
+CORRECT_DOT_PRECISION: str | None = None
+"""Precision of a ring read round's correction products (``[B_T, B_P] x [B_P, b_v]``, `blocks.pending_corrections`).
+None: the verify's own state products' (`common.dot_precision`: tf32 for 16-bit inputs), what the corrections stand
+in for (``S' x`` read through the pending tokens instead of ``S x``); "tf32x3": three tf32 passes, as the write
+round's fold (`FOLD_DOT_PRECISION`). Compiled for sm_90, the 9B B=32 read launch (32/128/4/3) holds 166 registers a
+thread with None against 226 with "tf32x3" (3 programs per SM instead of 2). Measured side by side on the H200
+(`lab/ring_correct_dot.py`, 9B bf16, R = 4, 24 layers): the read round B=32 8-node chains 43.7 against 48.7 us,
+B=16 8-node trees 20.4 against 25.8, B=16 4-node chains 18.4 against 20.4, B=1 7.7 against 7.8; the outputs and
+flushed slots the same distance from float64 (1.8e-3 / 7e-4 either way: the verify's own tf32 products set it)."""
 
 CORRECT_BEFORE_STREAM = False
 """Where a ring read round's stream launch (the resident kernel's state-first order) takes its corrections: True,
 before the state's stream, as the products' starting values, the stream then reading ``P S`` (each state tile
-scaled by the pending tokens' decay as it arrives: 150 registers a thread at the launch above, with
-``CORRECT_DOT_PRECISION = None``); False, after it (as measured on the H200). Exact either way (the CPU tests run
-both); `lab/ring_correct_dot.py` compares them on a GPU."""
+scaled by the pending tokens' decay as it arrives: 150 registers a thread at the launch above); False, after it.
+Exact either way (the CPU tests run both). After is faster on the H200 in every case measured (B=32 8-node chains
+43.7 against 47.7 us, B=16 8-node trees 20.4 against 21.8; `lab/ring_correct_dot.py`): fewer registers did not
+make up for the scaling on the stream's critical path."""
 
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
