@@ -11,6 +11,10 @@ Per case (9B heads, bf16): the ring's outputs over five rounds and the flushed s
 (`ring_correct_dot.against_float64`), then its rounds timed (`CaseBench.time_ring`, 24 layers, one CUDA graph, median
 per launch) at R = 2 and 4; read rounds at the shipped launch.
 
+Measured on the H200 (BENCHMARKS.md, "Thirteenth session"; benchmarks/h200-2026-12-02h/ring_write_corrected.*): the
+switch was 1.3-2x slower in every case and at every tile, so it was removed again; this script runs at 3488941, the commit
+that had it.
+
     python3 lab/ring_write_corrected.py [--json OUT] [--repeats 10]
     TRITON_INTERPRET=1 python3 lab/ring_write_corrected.py --smoke
 """

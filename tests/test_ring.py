@@ -107,20 +107,6 @@ def test_read_round_corrections_other_placements_and_precisions(device, case, pr
     assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
 
 
-@pytest.mark.parametrize("case", ["stream-bf16-chains-R3", "stream-key-steps-bf16-trees-R2", "resident-fp32-trees-R3",
-                                  "stream-fp32-chains-R1"])
-def test_write_rounds_taking_their_products_as_read_rounds_do(device, case, monkeypatch):
-    """`run.WRITE_ROUND_CORRECTS`: a write round's products from the tiles as they are plus the corrections, each
-    tile folded and written beside them; the outputs and the written slots are the recurrence's (both stream orders
-    and the factor-first order; the fused kernel ignores the switch)."""
-    from bole_tune.kernels.verify import run as run_module
-
-    assert run_module.WRITE_ROUND_CORRECTS is False
-    monkeypatch.setattr(run_module, "WRITE_ROUND_CORRECTS", True)
-    variant, dtype, rounds, kind, num_rounds, *config = CASES[case]
-    assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
-
-
 @pytest.mark.parametrize("case,force", [("stream-bf16-chains-R3", (1, 2, 5)), ("fused-fp32-trees-R2", (3,))])
 def test_ring_rounds_written_early_match_the_recurrence(device, case, force):
     """Write rounds asked for early (`begin(write=True)`: after one round, two in a row, and with the tables full

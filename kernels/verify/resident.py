@@ -69,7 +69,7 @@ def tree_verify_resident_kernel(
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
     ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
-    CORRECT_FIRST: tl.constexpr = False, WRITE_CORRECTED: tl.constexpr = False,
+    CORRECT_FIRST: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -113,7 +113,7 @@ def tree_verify_resident_kernel(
         else:
             b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
             b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
-        if FOLD and (not CORRECT or WRITE_CORRECTED):
+        if FOLD and not CORRECT:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
         if CORRECT and CORRECT_FIRST:  # the corrections start the products; the stream then reads P S, not S
             b_qs, b_ks = pending_corrections(
@@ -136,15 +136,11 @@ def tree_verify_resident_kernel(
                 b_qs, b_ks = state_products_rows_first(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION)
             else:
                 b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-            if WRITE_CORRECTED:  # the tile folded and written, off the products' path (they read it as it was)
-                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :],
-                         fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT),
-                         mask=pending)
         if CORRECT and not CORRECT_FIRST:  # run.py never pairs CORRECT with ROWS_FIRST
             b_qs, b_ks = pending_corrections(
                 b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                 rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
-                GRAM_DTYPE, DOT_PRECISION, DOT_PRECISION if WRITE_CORRECTED else FOLD_DOT)
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
         # the value rows are requested before the factors, whose chain hides their latency (`lab/v_first.py`)
         b_v = value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, ROWS_FIRST)
         b_w, b_m, a_q, a_k = head_factors(
@@ -174,7 +170,7 @@ def tree_verify_resident_kernel(
             o_v = i_part * (D_V // V_SPLIT) + i_v + tl.arange(0, B_V)
             b_qs = tl.zeros([B_T, B_V], dtype=tl.float32)
             b_ks = tl.zeros([B_T, B_V], dtype=tl.float32)
-            if FOLD and (not CORRECT or WRITE_CORRECTED):
+            if FOLD and not CORRECT:
                 b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
             for i_k in range(0, D_K, B_K):
                 o_k = i_k + tl.arange(0, B_K)
@@ -187,15 +183,11 @@ def tree_verify_resident_kernel(
                     b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
                     tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
                 b_qs, b_ks = state_products(b_q, b_k, b_s, b_qs, b_ks, DOT_PRECISION, GRAM_DTYPE, STATE_SPLIT)
-                if WRITE_CORRECTED:
-                    tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :],
-                             fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT),
-                             mask=pending)
             if CORRECT:
                 b_qs, b_ks = pending_corrections(
                     b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
                     rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
-                    GRAM_DTYPE, DOT_PRECISION, DOT_PRECISION if WRITE_CORRECTED else FOLD_DOT)
+                    GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
             b_v = value_tile(v_ptr, rows, m_i, o_v, i_h, stride_v_n, stride_v_h, False)
             readout(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V, DOT_PRECISION)
 

@@ -48,14 +48,6 @@ Exact either way (the CPU tests run both). After is faster on the H200 in every 
 43.7 against 47.7 us, B=16 8-node trees 20.4 against 21.8; `lab/ring_correct_dot.py`): fewer registers did not
 make up for the scaling on the stream's critical path."""
 
-WRITE_ROUND_CORRECTS = False
-"""How a ring write round on the resident kernel takes its products: False, from the folded tiles (each state tile
-folded, written back, then multiplied: the fold's product on the products' path, as the folded verify does); True, as
-a read round takes them (from the tiles as they are, plus the pending tokens' corrections at the verify's precision),
-each tile folded and written beside them, off their path. The same state is written and the same outputs come out
-(the CPU tests run both); which is faster is the GPU's to say (`lab/ring_write_corrected.py`): not the default until
-it has been timed and checked against float64 there."""
-
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
@@ -95,14 +87,13 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
     tensors = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
                o, u, log_decay, k_out, k_scale, committed)
-    correct = write_corrected = False
+    correct = False
     if ring is not None:  # the ring's tables and this layer's arena take the fold's arguments (`blocks.ring_tokens`)
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
-        write_corrected = ring.step.write and resident and WRITE_ROUND_CORRECTS
         fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
         width = table.width
         fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
-        fold_key = ("ring", correct, write_corrected, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
+        fold_key = ("ring", correct, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
         tensors += fold[:7]
     elif pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold, fold_key, width, fold_dot = _NO_FOLD, None, 16, FOLD_DOT_PRECISION
@@ -122,7 +113,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fast_args = (*pointers, *_NO_FOLD, *scalars)
     else:
         fast_args = (*pointers, fold[7], *scalars)
-    rows_first = (launch.variant == "stream" and not launch.state_split and not correct and not write_corrected
+    rows_first = (launch.variant == "stream" and not launch.state_split and not correct
                   and ROWS_FIRST["verify" if pending is None and ring is None else "fold"])
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
                                   state_indices.dtype, use_qk_l2norm, fold_key, rows_first, *sizes)
@@ -134,14 +125,13 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
                      "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first,
-                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM, "WRITE_CORRECTED": write_corrected}
+                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM}
         else:
             extra = {}
         if pending is None and ring is None:
             extra.update(FOLD=False)
         else:
-            extra.update(FOLD=True, FOLD_DOT=fold_dot, B_P=width, RING=ring is not None,
-                         CORRECT=correct or write_corrected)
+            extra.update(FOLD=True, FOLD_DOT=fold_dot, B_P=width, RING=ring is not None, CORRECT=correct)
         return dict(D_K=h.dk, D_V=h.dv, B_T=launch.node_block, B_K=config.b_k, B_V=config.b_v, **extra,
                     USE_QK_L2NORM=bool(use_qk_l2norm), DOT_PRECISION=dot_precision(q.dtype), GRAM_DTYPE=gram_dtype(q),
                     num_warps=config.num_warps, num_stages=config.num_stages)
