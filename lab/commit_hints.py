@@ -7,7 +7,7 @@ checked against the float64 closed form (`CommitBench.check`), then timed (one C
 L2, median per launch, per layer), all pairs twice in turn to show the noise; beside them the copy floor
 (`mul_(1.0)` over a contiguous buffer of the same bytes) the issue's <= 1.25x is stated against.
 
-    python3 lab/commit_hints.py [--json OUT] [--batch 16,32] [--repeats 20]
+    python3 lab/commit_hints.py [--json OUT] [--batch 16,32] [--repeats 20] [--second --configs 128/16/128/2/2,...]
     TRITON_INTERPRET=1 python3 lab/commit_hints.py --smoke
 """
 
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from bole_tune.commit_bench import CommitBench
-from bole_tune.config import default_commit_config
+from bole_tune.config import CommitConfig, default_commit_config
 from bole_tune.database import CommitKey
 from bole_tune.kernels.verify import tree_commit as commit_module
 from bole_tune.lookup import tuned_commit
@@ -27,6 +27,8 @@ from bole_tune.timing import time_launches
 from lab_rows import release, save, show
 
 HINTS = [("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"), ("evict_last", ""), ("", ".cg")]
+SECOND = [("evict_last", ""), ("evict_last", ".wb"), ("evict_last", ".cg"), ("evict_last", ".cs")]
+"""``--second``: the shipped load hint with each store modifier, at the tuned config and at ``--configs``."""
 
 
 def main() -> None:
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--second", action="store_true", help="the load hint evict_last with each store modifier")
+    parser.add_argument("--configs", default="", help="more configs, b_k/b_v/v_span/warps/stages, comma separated")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
@@ -44,12 +48,14 @@ def main() -> None:
     for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
         key = CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers)
         bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
-        config = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
-                               torch.device(device)) if not args.smoke else None) \
+        tuned = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
+                              torch.device(device)) if not args.smoke else None) \
             or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
-        base = {"batch": batch, "layers": layers, "config": config.text}
+        configs = [tuned] + [CommitConfig(*map(int, c.split("/"))) for c in args.configs.split(",") if c]
+        runs = [(c, h) for c in configs for h in SECOND] if args.second else [(tuned, h) for h in HINTS]
         for turn in range(1 if args.smoke else 2):
-            for hints in HINTS:
+            for config, hints in runs:
+                base = {"batch": batch, "layers": layers, "config": config.text}
                 commit_module.COMMIT_STATE_HINTS = hints
                 row = dict(base, hints="/".join(h or "-" for h in hints), turn=turn)
                 try:
@@ -63,7 +69,7 @@ def main() -> None:
         if not args.smoke:
             _, states, results, _, _ = bench.sets()
             flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
-            row = dict(base, hints="mul_ contiguous (copy floor)")
+            row = dict(batch=batch, layers=layers, hints="mul_ contiguous (copy floor)")
             row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, args.repeats).p50_us / layers
             show(row, rows)
         bench = None
