@@ -69,7 +69,7 @@ def tree_verify_resident_kernel(
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
     ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
-    CORRECT_FIRST: tl.constexpr = False,
+    CORRECT_FIRST: tl.constexpr = False, STATE_HINT: tl.constexpr = "",
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -122,7 +122,7 @@ def tree_verify_resident_kernel(
                 GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
-            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :], eviction_policy=STATE_HINT)
             if CORRECT and CORRECT_FIRST:
                 b_s = decay_p * b_s
             b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram(
@@ -178,7 +178,7 @@ def tree_verify_resident_kernel(
                               mask=m_i[:, None], other=0)
                 b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :],
                               mask=m_i[:, None], other=0)
-                b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
+                b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :], eviction_policy=STATE_HINT)
                 if FOLD and not CORRECT:
                     b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
                     tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)

@@ -48,6 +48,12 @@ Exact either way (the CPU tests run both). After is faster on the H200 in every 
 43.7 against 47.7 us, B=16 8-node trees 20.4 against 21.8; `lab/ring_correct_dot.py`): fewer registers did not
 make up for the scaling on the stream's critical path."""
 
+STATE_HINTS = {"verify": "", "fold": "", "read": ""}
+"""The resident kernel's state loads' eviction policy ("" none, "evict_first", "evict_last"), for the verify, a launch
+that folds and writes the tiles back (the folded verify, a ring's write round) and a ring's read round. The commit
+gained 1.2-1.3% from "evict_last" (its write-back lands in L2; `tree_commit.COMMIT_STATE_HINTS`); whether these
+launches do is unmeasured (`lab/state_hints.py`): none until a GPU has timed them."""
+
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
@@ -115,8 +121,9 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fast_args = (*pointers, fold[7], *scalars)
     rows_first = (launch.variant == "stream" and not launch.state_split and not correct
                   and ROWS_FIRST["verify" if pending is None and ring is None else "fold"])
+    state_hint = STATE_HINTS["verify" if pending is None and ring is None else "read" if correct else "fold"]
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, *sizes)
+                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, state_hint, *sizes)
 
     def args() -> tuple:
         return (*tensors[:17], *fold, *scalars)
@@ -125,7 +132,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
                      "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first,
-                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM}
+                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM, "STATE_HINT": state_hint}
         else:
             extra = {}
         if pending is None and ring is None:

@@ -1,0 +1,68 @@
+"""Issue 17, thirteenth session: the resident kernel's state loads with an eviction policy (`run.STATE_HINTS`).
+
+The all-layer commit gained 1.2-1.3% at B >= 16 from loading its state tiles with ``evict_last`` (the write-back of
+the same lines lands in L2; `lab/commit_hints.py`). The resident kernel reads the same tiles in three kinds of
+launch: the verify (read only), a launch that folds and writes them back (the folded verify, a ring's write round)
+and a ring's read round (read only, corrections added). Here each hint ("", "evict_first", "evict_last") is set for
+all three at once and each case is timed side by side (one CUDA graph over rotating sets, median per launch): the
+verify (`CaseBench.time_verify`, checked against float64 first), the folded round (`time_folded`) and a ring of four
+rounds (`time_ring`, 24 layers, its outputs and flushed slots checked against the float64 recurrence first).
+
+    python3 lab/state_hints.py [--json OUT] [--repeats 20]
+    TRITON_INTERPRET=1 python3 lab/state_hints.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.kernels import tree_verify
+from bole_tune.kernels.verify import run as run_module
+from bole_tune.shapes import HeadShape
+from lab_rows import release, save, show
+from ring_correct_dot import against_float64
+
+CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 64, "random"), (16, 8, "random"), (1, 4, "chain")]
+HINTS = ["", "evict_first", "evict_last"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
+    device = "cpu" if args.smoke else "cuda"
+    rows, shipped = [], dict(run_module.STATE_HINTS)
+    for batch, size, kind in [(2, 8, "chain")] if args.smoke else CASES:
+        bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), device)
+        read, write = bench.launch(), bench.launch(fold=True)
+        for turn in range(1 if args.smoke else 2):
+            for hint in HINTS:
+                run_module.STATE_HINTS.update(verify=hint, fold=hint, read=hint)
+                row = {"batch": batch, "tree_size": size, "kind": kind, "hint": hint or "-", "turn": turn}
+                try:
+                    row["verify_error"] = bench.check(tree_verify, read)
+                    if turn == 0:
+                        row["ring_o_error"], row["ring_state_error"] = against_float64(bench, read, write)
+                    if not args.smoke:
+                        row["verify_us"] = bench.time_verify(tree_verify, read, args.repeats)[0].p50_us
+                        row["folded_us"] = bench.time_folded(write, args.repeats).p50_us
+                        if size <= 16:
+                            ring = bench.time_ring(4, 24, args.repeats // 2, read_launch=read, write_launch=write)
+                            row.update({k: t.p50_us for k, t in ring.items() if k != "ring_end"})
+                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+                show(row, rows)
+        run_module.STATE_HINTS.update(shipped)
+        bench = None
+        release(device)
+    save(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
