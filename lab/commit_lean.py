@@ -181,12 +181,13 @@ def floor_launch(states, slots, num_requests, config: CommitConfig):
                             num_stages=config.num_stages)
 
 
-def lean_error(bench: CommitBench, config: CommitConfig, update: str) -> float:
-    """Relative error of the lean launch's committed slots against the reference; inf if it touched any other."""
+def launch_error(bench: CommitBench, launch) -> float:
+    """Relative error of the slots ``launch(states, slots, results, tree, accepted)`` commits against the reference;
+    inf if it touched any other slot or wrote a non-finite value."""
     tree, states, slots, accepted, results, expected = bench.reference()
     trial = states.clone()
     results.committed.zero_()
-    lean_launch(trial, slots, results, tree, accepted, config, update)
+    launch(trial, slots, results, tree, accepted)
     results.committed.zero_()
     changed = torch.zeros(states.shape[1], dtype=torch.bool, device=states.device)
     changed[slots[accepted >= 0].long()] = True
@@ -196,6 +197,11 @@ def lean_error(bench: CommitBench, config: CommitConfig, update: str) -> float:
     if not bool(torch.isfinite(got).all()):
         return float("inf")
     return float((got - want).norm() / want.norm())
+
+
+def lean_error(bench: CommitBench, config: CommitConfig, update: str) -> float:
+    """`launch_error` of the lean launch."""
+    return launch_error(bench, lambda *a: lean_launch(*a, config, update))
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from bole_tune.kernels.verify.tree_commit import commit_span
 from bole_tune.lookup import tuned_commit
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
+from commit_lean import launch_error
 from lab_rows import release, save, show
 
 
@@ -118,18 +119,8 @@ def persistent_launch(states, slots, results, tree, accepted, config: CommitConf
 
 
 def persistent_error(bench: CommitBench, config: CommitConfig, programs: int) -> float:
-    """Relative error of the persistent launch's committed slots against the reference; inf if it touched any other."""
-    tree, states, slots, accepted, results, expected = bench.reference()
-    trial = states.clone()
-    results.committed.zero_()
-    persistent_launch(trial, slots, results, tree, accepted, config, programs)
-    results.committed.zero_()
-    changed = torch.zeros(states.shape[1], dtype=torch.bool, device=states.device)
-    changed[slots[accepted >= 0].long()] = True
-    if not torch.equal(trial[:, ~changed], states[:, ~changed]):
-        return float("inf")
-    got, want = trial[:, changed].double(), expected[:, changed].double()
-    return float((got - want).norm() / want.norm()) if bool(torch.isfinite(got).all()) else float("inf")
+    """`commit_lean.launch_error` of the persistent launch."""
+    return launch_error(bench, lambda *a: persistent_launch(*a, config, programs))
 
 
 def main() -> None:
