@@ -8,7 +8,7 @@ all three at once and each case is timed side by side (one CUDA graph over rotat
 verify (`CaseBench.time_verify`, checked against float64 first), the folded round (`time_folded`) and a ring of four
 rounds (`time_ring`, 24 layers, its outputs and flushed slots checked against the float64 recurrence first).
 
-    python3 lab/state_hints.py [--json OUT] [--repeats 20]
+    python3 lab/state_hints.py [--json OUT] [--repeats 20] [--cases 1/4/chain,16/8/random]
     TRITON_INTERPRET=1 python3 lab/state_hints.py --smoke
 """
 
@@ -34,15 +34,18 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--turns", type=int, default=2, help="turns; odd ones take the hints in reverse order")
+    parser.add_argument("--cases", help="batch/size/kind,... (default: all five)")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     rows, shipped = [], dict(run_module.STATE_HINTS)
-    for batch, size, kind in [(2, 8, "chain")] if args.smoke else CASES:
+    cases = [(int(b), int(n), k) for b, n, k in (c.split("/") for c in args.cases.split(","))] if args.cases else CASES
+    for batch, size, kind in [(2, 8, "chain")] if args.smoke else cases:
         bench = CaseBench(BenchCase(heads, batch, size, torch.bfloat16, 8, label="qwen3.5-9b", kind=kind), device)
         read, write = bench.launch(), bench.launch(fold=True)
-        for turn in range(1 if args.smoke else 2):
-            for hint in HINTS:
+        for turn in range(1 if args.smoke else args.turns):
+            for hint in HINTS[::-1] if turn % 2 else HINTS:
                 run_module.STATE_HINTS.update(verify=hint, fold=hint, read=hint)
                 row = {"batch": batch, "tree_size": size, "kind": kind, "hint": hint or "-", "turn": turn}
                 try:
