@@ -48,11 +48,15 @@ Exact either way (the CPU tests run both). After is faster on the H200 in every 
 43.7 against 47.7 us, B=16 8-node trees 20.4 against 21.8; `lab/ring_correct_dot.py`): fewer registers did not
 make up for the scaling on the stream's critical path."""
 
-STATE_HINTS = {"verify": "", "fold": "", "read": ""}
+STATE_HINTS = {"verify": "evict_first", "fold": "evict_first", "read": "evict_first"}
 """The resident kernel's state loads' eviction policy ("" none, "evict_first", "evict_last"), for the verify, a launch
-that folds and writes the tiles back (the folded verify, a ring's write round) and a ring's read round. The commit
-gained 1.2-1.3% from "evict_last" (its write-back lands in L2; `tree_commit.COMMIT_STATE_HINTS`); whether these
-launches do is unmeasured (`lab/state_hints.py`): none until a GPU has timed them."""
+that folds and writes the tiles back (the folded verify, a ring's write round) and a ring's read round. Each tile is
+read once; marked "evict_first" it leaves L2 to the factors and the tokens' rows the launch reads again. Measured on
+the H200 (`lab/state_hints.py`, 9B bf16, one CUDA graph over rotating sets, every launch checked against float64; all
+three set at once, three turns in alternating order): at B=1 the verify 5.20-5.22 us against 5.76-5.79 without hints
+(4-node chains; 8-node trees 5.24-5.28 against 5.84-5.85), the ring's read round 6.25-6.93 against 7.63-7.68, the
+folded verify unchanged (9.08-9.20 either way); at B=16-32 within 1% either way (B=32 8-node chains: ring round
+53.45-53.81 against 53.82-54.3, folded 73.65-73.88 against 73.46-73.54). "evict_last" was no faster than none."""
 
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
