@@ -5,6 +5,7 @@ and ptxas, read back with the cuobjdump and nvdisasm Triton ships.
 
     python3 lab/sass_stats.py --batch 16 --tree-size 4 --kind chain [--fold] [--config 32/128/2/3] [--variant stream]
     python3 lab/sass_stats.py --batch 32 --tree-size 8 --ring read     # a PendingRing's read (or write) round, R=4
+    python3 lab/sass_stats.py --batch 32 --tree-size 8 --ring write --tma store   # with tma_state.py's patch
 
 Static counts only: what an instruction costs on the GPU is measured there.
 """
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rows-first", type=int, choices=(0, 1), help="override run.ROWS_FIRST for this launch")
     parser.add_argument("--ring", choices=("read", "write"), help="a PendingRing's round (R = 4) instead")
+    parser.add_argument("--tma", choices=("load", "store", "both"),
+                        help="the resident kernel patched by `tma_state.MODES` (state tiles moved by TMA)")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
@@ -116,9 +119,21 @@ def main() -> None:
     meta = dict(captured["meta"])
     meta["GRAM_DTYPE"] = triton.language.bfloat16  # the GPU's (the CPU interpreter's is fp32)
     meta["DOT_PRECISION"] = "tf32"
-    compiled = compile_for_h200(kernel.fn, captured["args"], meta)
+    fn, call_args = kernel.fn, captured["args"]
+    if args.tma:
+        import tempfile
+
+        from patched_kernel import patched_resident_kernel
+        from tma_state import MODES
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        fn = patched_resident_kernel(MODES[args.tma], f"sass_{args.tma}", pathlib.Path(tempfile.mkdtemp()))
+        state = call_args[5]
+        dk = state.shape[-1]
+        meta["s_desc"] = TensorDescriptor(state, [state.numel() // dk, dk], [dk, 1], [meta["B_V"], meta["B_K"]])
+    compiled = compile_for_h200(fn, call_args, meta)
     report = sass_report(compiled)
-    print(f"{launch.variant} {launch.config} fold={args.fold} ring={args.ring} grid={captured['grid']} registers={report['registers']} "
+    print(f"{launch.variant} {launch.config} fold={args.fold} ring={args.ring} tma={args.tma} grid={captured['grid']} registers={report['registers']} "
           f"stack={report['stack']} local={report['local']} shared={report['shared']} "
           f"instructions={report['instructions']}")
     print(" ".join(f"{k}:{v}" for k, v in list(report["ops"].items())[:args.top]))

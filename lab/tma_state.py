@@ -8,8 +8,12 @@ copy into shared memory that Triton's pipeliner multi-buffers behind mbarriers; 
 The fold's write-back stays a pointer store. Each launch is checked against the float64 reference (outputs; the
 folded launch's committed slots too), then timed beside the shipped kernel at the same tiles.
 
-    python3 lab/tma_state.py [--json OUT] [--repeats 30]
-    TRITON_INTERPRET=1 python3 lab/tma_state.py --smoke      # the checks only, small heads on the CPU
+    python3 lab/tma_state.py [--json OUT] [--repeats 30] [--modes load,store,both] [--ring 2] [--tuned-only]
+    TRITON_INTERPRET=1 python3 lab/tma_state.py --smoke [--modes ...] [--ring 2]   # the checks only, small heads
+
+Fourteenth session: ``--modes store`` moves only the folded tiles' write-back by TMA (``if pending:`` a descriptor
+store instead of a masked pointer store), ``both`` loads and stores; ``--ring R`` also runs a ring of R rounds on the
+folded rows (its write rounds are the folded launch; outputs and flushed slots checked against float64 first).
 """
 
 from __future__ import annotations
@@ -30,18 +34,26 @@ from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
 from lab_rows import release, save, show, with_resident
 from patched_kernel import patched_resident_kernel
+from ring_correct_dot import against_float64
 
-LOAD_OLD = """            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :])
-            b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram("""
+LOAD_OLD = """            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :], eviction_policy=STATE_HINT)
+            if CORRECT and CORRECT_FIRST:"""
 LOAD_NEW = """            b_s = s_desc.load([((slot * H_V + i_h) * D_V + i_part * B_V).to(tl.int32), i_k])
-            b_q, b_k, b_qk, b_kk, ssq_q, ssq_k = qk_chunk_gram("""
-SIG_OLD = """    ORDER_MIX: tl.constexpr = 0,
-):""" if False else """    ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
+            if CORRECT and CORRECT_FIRST:"""
+STORE_OLD = """                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+            if ROWS_FIRST:"""
+STORE_NEW = """                if pending:
+                    s_desc.store([((slot * H_V + i_h) * D_V + i_part * B_V).to(tl.int32), i_k], b_s)
+            if ROWS_FIRST:"""
+SIG_OLD = """    CORRECT_FIRST: tl.constexpr = False, STATE_HINT: tl.constexpr = "",
 ):"""
-SIG_NEW = """    ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
+SIG_NEW = """    CORRECT_FIRST: tl.constexpr = False, STATE_HINT: tl.constexpr = "",
     s_desc=None,
 ):"""
-PATCHES = [(LOAD_OLD, LOAD_NEW), (SIG_OLD, SIG_NEW)]
+MODES = {"load": [(LOAD_OLD, LOAD_NEW), (SIG_OLD, SIG_NEW)], "store": [(STORE_OLD, STORE_NEW), (SIG_OLD, SIG_NEW)],
+         "both": [(LOAD_OLD, LOAD_NEW), (STORE_OLD, STORE_NEW), (SIG_OLD, SIG_NEW)]}
+"""What each mode moves by TMA in the state-first branch: the state tiles' loads (the tenth session's experiment),
+the folded tiles' write-back (a folded verify's and a ring write round's; fourteenth session), or both."""
 
 CASES = [(16, 4, "chain"), (32, 8, "chain"), (16, 8, "random")]
 CONFIGS = [None, KernelConfig(32, 128, 4, 3), KernelConfig(32, 128, 2, 4)]
@@ -115,13 +127,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--floor", action="store_true", help="also the read-only stream at B=16 and 32")
+    parser.add_argument("--modes", default="load", help="comma list of load, store, both (MODES)")
+    parser.add_argument("--ring", type=int, default=0, metavar="R",
+                        help="also a ring of R rounds (24 layers) on the folded rows, checked against float64")
+    parser.add_argument("--tuned-only", action="store_true", help="only the planner's launch (config None)")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     device = "cpu" if args.smoke else "cuda"
     cases = [(2, 4, "chain"), (3, 8, "random")] if args.smoke else CASES
-    configs = [None, KernelConfig(16, 32, 2, 2)] if args.smoke else CONFIGS
-    patched = DescLauncher(patched_resident_kernel(PATCHES, "tma_state", pathlib.Path(tempfile.mkdtemp())))
-    shipped = run_module.RESIDENT
+    configs = [None, KernelConfig(16, 32, 2, 2)] if args.smoke else [None] if args.tuned_only else CONFIGS
+    workdir = pathlib.Path(tempfile.mkdtemp())
+    kernels = [("shipped", run_module.RESIDENT)] + [
+        (mode, DescLauncher(patched_resident_kernel(MODES[mode], f"tma_{mode}", workdir)))
+        for mode in args.modes.split(",")]
     rows = []
     if args.floor and not args.smoke:
         for batch in (16, 32):
@@ -138,7 +156,7 @@ def main() -> None:
                     print(f"B={batch} T={size} {config} fold={fold}: {type(e).__name__}: {e}", flush=True)
                     continue
                 row = {"batch": batch, "tree_size": size, "kind": kind, "fold": fold, "config": str(launch.config)}
-                for name, kernel in (("shipped", shipped), ("tma", patched)):
+                for name, kernel in kernels:
                     try:
                         if fold:
                             row[f"{name}_error"], row[f"{name}_state_error"] = with_resident(
@@ -149,6 +167,14 @@ def main() -> None:
                             row[name] = with_resident(kernel, lambda: (
                                 bench.time_folded(launch, args.repeats) if fold else
                                 bench.time_verify(tree_verify, launch, args.repeats)[0]).p50_us)
+                        if fold and args.ring:
+                            read = bench.launch()
+                            row[f"{name}_ring_errors"] = with_resident(
+                                kernel, lambda: against_float64(bench, read, launch))
+                            if not args.smoke:
+                                ring = with_resident(kernel, lambda: bench.time_ring(
+                                    args.ring, 24, max(2, args.repeats // 3), read_launch=read, write_launch=launch))
+                                row[f"{name}_ring"] = {k: round(t.p50_us, 2) for k, t in ring.items()}
                     except Exception as e:  # noqa: BLE001
                         row[name] = f"{type(e).__name__}: {str(e)[:160]}"
                 show(row, rows)
