@@ -107,6 +107,34 @@ def test_read_round_corrections_other_placements_and_precisions(device, case, pr
     assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
 
 
+@pytest.mark.parametrize("case", ["stream-bf16-chains-R3", "resident-fp32-trees-R3", "fused-fp32-trees-R2",
+                                  "fused-bf16-multi-block-R2"])
+@pytest.mark.parametrize("hint", ["", "evict_last"])
+def test_rounds_with_other_state_load_hints(device, case, hint, monkeypatch):
+    """The state loads' eviction policy (`run.STATE_HINTS` for the resident kernel's verify, write and read rounds,
+    `run.FUSED_STATE_HINTS` for the fused kernel's one-block and multi-block launches) reaches the kernels as a
+    launch key and a meta-parameter: the rounds give the recurrence with each policy but the shipped one."""
+    from bole_tune.kernels.verify import run as run_module
+
+    assert hint not in run_module.STATE_HINTS.values()
+    monkeypatch.setattr(run_module, "STATE_HINTS", {key: hint for key in run_module.STATE_HINTS})
+    monkeypatch.setattr(run_module, "FUSED_STATE_HINTS", {key: hint or "evict_first"
+                                                          for key in run_module.FUSED_STATE_HINTS})
+    variant, dtype, rounds, kind, num_rounds, *config = CASES[case]
+    assert run_rounds(device, variant, dtype, rounds, kind, num_rounds, *config) == (num_rounds - 1) // rounds
+
+
+@pytest.mark.parametrize("variant,name", [("stream", "STATE_HINTS"), ("fused", "FUSED_STATE_HINTS")])
+def test_an_unknown_state_load_hint_reaches_the_kernel(device, variant, name, monkeypatch):
+    """The hint is the kernel's: one Triton does not know fails the launch with Triton's own error (so the hints
+    above were not dropped on the way)."""
+    from bole_tune.kernels.verify import run as run_module
+
+    monkeypatch.setattr(run_module, name, {key: "evict_sometimes" for key in getattr(run_module, name)})
+    with pytest.raises(Exception, match="evict_sometimes|eviction"):
+        run_rounds(device, variant, BF16, 2, "chain", 2)
+
+
 @pytest.mark.parametrize("case,force", [("stream-bf16-chains-R3", (1, 2, 5)), ("fused-fp32-trees-R2", (3,))])
 def test_ring_rounds_written_early_match_the_recurrence(device, case, force):
     """Write rounds asked for early (`begin(write=True)`: after one round, two in a row, and with the tables full

@@ -49,7 +49,7 @@ def tree_verify_fused_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr, B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM_DTYPE: tl.constexpr,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
-    RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
+    RING: tl.constexpr = False, CORRECT: tl.constexpr = False, STATE_HINT: tl.constexpr = "",
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -88,7 +88,7 @@ def tree_verify_fused_kernel(
         ssq_k = tl.zeros([B_T], dtype=tl.float32)
         for i_k in range(0, D_K, B_K):
             o_k = i_k + tl.arange(0, B_K)
-            b_s = tl.load(p_state + o_k[None, :])
+            b_s = tl.load(p_state + o_k[None, :], eviction_policy=STATE_HINT)
             if FOLD and not CORRECT:  # the first block commits the pending tokens into the tile; later blocks read it
                 fold_now = pending & (i_b == 0)
                 b_s = fold_apply(b_s, b_upw, rows_p, m_p & fold_now, tl.where(fold_now, decay_p, 1.0), o_k, i_hk,

@@ -58,6 +58,13 @@ three set at once, three turns in alternating order): at B=1 the verify 5.20-5.2
 folded verify unchanged (9.08-9.20 either way); at B=16-32 within 1% either way (B=32 8-node chains: ring round
 53.45-53.81 against 53.82-54.3, folded 73.65-73.88 against 73.46-73.54). "evict_last" was no faster than none."""
 
+FUSED_STATE_HINTS = {"one_block": "", "blocks": ""}
+"""The fused kernel's state loads' eviction policy, for launches whose trees fit one node block (each state tile read
+once, as in the resident kernel, where "evict_first" made the verify 10% faster at B=1: `STATE_HINTS`) and for
+launches of several blocks (each block reads the tiles again: L2 may be holding them for the next). The fused kernel
+serves B=1 trees of more than 32 nodes and B=3-8 trees; whether a hint helps it there is unmeasured
+(`python3 lab/state_hints.py --fused`): none until a GPU has timed it."""
+
 ROWS_FIRST = {"verify": False, "fold": True}
 """Whether a "stream" launch (without the state split) takes its state products as ``S Q^T`` (`resident.py`,
 ``ROWS_FIRST``), for the verify and for the folded verify. H200, 9B, bf16 (`lab/rows_first.py`,
@@ -125,7 +132,10 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fast_args = (*pointers, fold[7], *scalars)
     rows_first = (launch.variant == "stream" and not launch.state_split and not correct
                   and ROWS_FIRST["verify" if pending is None and ring is None else "fold"])
-    state_hint = STATE_HINTS["verify" if pending is None and ring is None else "read" if correct else "fold"]
+    if resident:
+        state_hint = STATE_HINTS["verify" if pending is None and ring is None else "read" if correct else "fold"]
+    else:
+        state_hint = FUSED_STATE_HINTS["one_block" if max_blocks == 1 else "blocks"]
     key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
                                   state_indices.dtype, use_qk_l2norm, fold_key, rows_first, state_hint, *sizes)
 
@@ -138,7 +148,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
                      "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first,
                      "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM, "STATE_HINT": state_hint}
         else:
-            extra = {}
+            extra = {"STATE_HINT": state_hint}
         if pending is None and ring is None:
             extra.update(FOLD=False)
         else:
