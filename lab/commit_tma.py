@@ -55,26 +55,31 @@ CONFIGS = "128/16/128/2/3,128/16/128/2/4,128/32/128/4/3,128/32/128/4/4,64/16/128
 
 
 @triton.jit
-def tma_span(s_desc, row0, col, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V: tl.constexpr,
-             B_V: tl.constexpr, V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, STAGES: tl.constexpr):
+def tma_span(s_desc, state_ptr, row0, col, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V,
+             D_K: tl.constexpr, D_V: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr,
+             PRODUCT: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
     """One pass of the path's nodes over the program's ``V_SPAN`` rows: each ``[B_V, b_k]`` tile loaded by TMA,
-    decayed and updated (`commit_tile`), stored by TMA."""
+    decayed and updated (`commit_tile`), stored by TMA (``TMA_STORE``) or by pointers."""
     for i_c in tl.range(V_SPAN // B_V, num_stages=STAGES):
         o_c = i_c * B_V + tl.arange(0, B_V)
         b_s = s_desc.load([row0 + i_c * B_V, col])
-        s_desc.store([row0 + i_c * B_V, col],
-                     commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                                 PRODUCT))
+        b_new = commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN, PRODUCT)
+        if TMA_STORE:
+            s_desc.store([row0 + i_c * B_V, col], b_new)
+        else:
+            p = (state_ptr + (row0 + i_c * B_V + tl.arange(0, B_V)).to(tl.int64)[:, None] * D_K
+                 + col + tl.arange(0, B_K)[None, :])
+            tl.store(p, b_new)
 
 
 @triton.jit(do_not_specialize=["epoch", "num_requests", "rows_per_layer", "rows_per_slot"])
 def commit_tma_kernel(
-    s_desc, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
+    s_desc, state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
     u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch, rows_per_layer, rows_per_slot,
     stride_u_layer, stride_logp_layer, stride_k_layer, stride_k_scale_layer, stride_committed_layer, num_requests,
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
-    PRODUCT: tl.constexpr, FLOOR: tl.constexpr, STAGES: tl.constexpr,
+    PRODUCT: tl.constexpr, FLOOR: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     i_tile = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -111,8 +116,8 @@ def commit_tma_kernel(
                 # the first pass decays S_pre; later ones (paths deeper than B_P) add to what it wrote
                 decay = tl.where(i_p == 0, tl.exp(logp_a), 1.0)
                 tl.debug_barrier()
-                tma_span(s_desc, row0, col, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, B_V,
-                         V_SPAN, PRODUCT, STAGES)
+                tma_span(s_desc, state_ptr, row0, col, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V,
+                         D_K, D_V, B_K, B_V, V_SPAN, PRODUCT, STAGES, TMA_STORE)
 
 
 def descriptor(states, config: CommitConfig) -> TensorDescriptor:
@@ -123,12 +128,13 @@ def descriptor(states, config: CommitConfig) -> TensorDescriptor:
     return TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, config.b_k])
 
 
-def tma_args(states, slots, results, tree, accepted, config: CommitConfig, floor: bool = False):
+def tma_args(states, slots, results, tree, accepted, config: CommitConfig, floor: bool = False,
+             tma_store: bool = True):
     """The launch's grid, arguments and meta-parameters (states ``[L, slots, Hv, dv, dk]``)."""
     layers, num_slots, hv, dv, dk = states.shape
     hk = results.k.shape[-2]
     grid = ((dv // config.v_span) * (dk // config.b_k), hv, layers * tree.num_requests)
-    args = (descriptor(states, config), slots, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
+    args = (descriptor(states, config), states, slots, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth,
             results.u, results.log_decay, results.k, results.k_scale, results.committed, commit_epoch(),
             num_slots * hv * dv, hv * dv,
             *(x.stride(0) for x in (results.u, results.log_decay, results.k, results.k_scale, results.committed)),
@@ -136,12 +142,13 @@ def tma_args(states, slots, results, tree, accepted, config: CommitConfig, floor
     meta = dict(H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=node_block(tree.max_tree_size), B_K=config.b_k, B_V=config.b_v,
                 V_SPAN=config.v_span, B_P=16, PRODUCT=path_precision(commit_module.COMMIT_PRODUCT, results.k.dtype,
                                                                       "ieee"),
-                FLOOR=floor, STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
+                FLOOR=floor, STAGES=config.num_stages, TMA_STORE=tma_store, num_warps=config.num_warps, num_stages=config.num_stages)
     return grid, args, meta
 
 
-def tma_launch(states, slots, results, tree, accepted, config: CommitConfig, floor: bool = False):
-    grid, args, meta = tma_args(states, slots, results, tree, accepted, config, floor)
+def tma_launch(states, slots, results, tree, accepted, config: CommitConfig, floor: bool = False,
+               tma_store: bool = True):
+    grid, args, meta = tma_args(states, slots, results, tree, accepted, config, floor, tma_store)
     commit_tma_kernel[grid](*args, **meta)
 
 
@@ -152,14 +159,15 @@ def sass(heads: HeadShape, configs: list[CommitConfig]) -> None:
     bench = CommitBench(key, "cpu", most_sets=2)
     tree, states, slots, accepted, results, _ = bench.reference()
     for config in configs:
-        for floor in (False, True):
-            grid, args, meta = tma_args(states, slots, results, tree, accepted, config, floor)
+        for floor, store in ((False, True), (False, False), (True, True)):
+            grid, args, meta = tma_args(states, slots, results, tree, accepted, config, floor, store)
+            name = "floor" if floor else "commit" if store else "commit, pointer stores"
             try:
                 report = sass_report(compile_for_h200(commit_tma_kernel, args, meta))
-                print(config.text, "floor" if floor else "commit",
+                print(config.text, name,
                       {k: report[k] for k in report if k in ("registers", "spills", "shared", "stack")})
             except Exception as e:  # noqa: BLE001 - a lab sweep reports what failed and goes on
-                print(config.text, "floor" if floor else "commit", "failed:", type(e).__name__, str(e)[:300])
+                print(config.text, name, "failed:", type(e).__name__, str(e)[:300])
 
 
 def main() -> None:
@@ -191,23 +199,27 @@ def main() -> None:
                               torch.device(device)) if not args.smoke else None) \
             or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
         for config in configs:
-            row = {"batch": batch, "layers": layers, "config": config.text, "kernel": "tma"}
-            try:
-                row["error"] = launch_error(bench, lambda *a, c=config: tma_launch(*a, c))
-                if row["error"] <= 1e-4 and not args.smoke:
-                    tree, states, results, slots, accepted = bench.sets()
+            for store in (True, False):
+                row = {"batch": batch, "layers": layers, "config": config.text,
+                       "kernel": "tma" if store else "tma loads, pointer stores"}
+                try:
+                    row["error"] = launch_error(bench, lambda *a, c=config, t=store: tma_launch(*a, c, tma_store=t))
+                    if row["error"] <= 1e-4 and not args.smoke:
+                        tree, states, results, slots, accepted = bench.sets()
 
-                    def launch(i, c=config):
-                        results[i].committed.zero_()
-                        tma_launch(states, slots[i], results[i], tree, accepted, c)
+                        def launch(i, c=config, t=store):
+                            results[i].committed.zero_()
+                            tma_launch(states, slots[i], results[i], tree, accepted, c, tma_store=t)
 
-                    row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
-                    row["floor_us_per_layer"] = time_launches(
-                        lambda i, c=config: tma_launch(states, slots[i], results[i], tree, accepted, c, floor=True),
-                        len(results), device, args.repeats).p50_us / layers
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
-            show(row, rows)
+                        row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
+                        if store:
+                            row["floor_us_per_layer"] = time_launches(
+                                lambda i, c=config: tma_launch(states, slots[i], results[i], tree, accepted, c,
+                                                               floor=True),
+                                len(results), device, args.repeats).p50_us / layers
+                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+                show(row, rows)
         if not args.smoke:
             row = {"batch": batch, "layers": layers, "config": tuned.text, "kernel": "shipped",
                    "error": bench.error(tuned)}
