@@ -17,13 +17,11 @@ import argparse
 
 import torch
 
-from bole_tune.commit_bench import CommitBench
-from bole_tune.config import CommitConfig, default_commit_config
-from bole_tune.database import CommitKey
+from bole_tune.config import CommitConfig
 from bole_tune.kernels.verify import tree_commit as commit_module
-from bole_tune.lookup import tuned_commit
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
+from commit_lean import commit_case
 from lab_rows import release, save, show
 
 HINTS = [("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"), ("evict_last", ""), ("", ".cg")]
@@ -46,11 +44,7 @@ def main() -> None:
     layers = 2 if args.smoke else args.layers
     rows, shipped = [], commit_module.COMMIT_STATE_HINTS
     for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
-        key = CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers)
-        bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
-        tuned = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
-                              torch.device(device)) if not args.smoke else None) \
-            or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
+        bench, tuned = commit_case(heads, batch, layers, device, args.smoke)
         configs = [tuned] + [CommitConfig(*map(int, c.split("/"))) for c in args.configs.split(",") if c]
         runs = [(c, h) for c in configs for h in SECOND] if args.second else [(tuned, h) for h in HINTS]
         for turn in range(1 if args.smoke else 2):

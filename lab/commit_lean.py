@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from bole_tune.commit_bench import CommitBench
-from bole_tune.config import CommitConfig
+from bole_tune.config import CommitConfig, default_commit_config
 from bole_tune.database import CommitKey
 from bole_tune.kernels import tree_commit_layers
 from bole_tune.kernels.verify.blocks import path_product
@@ -197,6 +197,29 @@ def launch_error(bench: CommitBench, launch) -> float:
     if not bool(torch.isfinite(got).all()):
         return float("inf")
     return float((got - want).norm() / want.norm())
+
+
+def commit_case(heads: HeadShape, batch: int, layers: int, device, smoke: bool) -> tuple[CommitBench, CommitConfig]:
+    """The lab commits' case: a `CommitBench` of 8-node bf16 trees over ``layers`` layers, and the config the shipped
+    launch runs there (the database's, else the untuned fallback; the fallback alone with ``smoke``)."""
+    bench = CommitBench(CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers), device,
+                        most_sets=2 if smoke else None)
+    tuned = (None if smoke else tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch,
+                                             layers, torch.device(device)))
+    return bench, tuned or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
+
+
+def shipped_and_copy_floor(bench: CommitBench, tuned: CommitConfig, heads: HeadShape, batch: int, layers: int,
+                           device, repeats: int, rows: list, key: str = "kernel") -> None:
+    """The two reference rows a lab commit is read against: the shipped launch at ``tuned`` (checked, then timed)
+    and `mul_(1.0)` over a contiguous buffer of the same bytes (the copy floor), us per layer."""
+    row = {"batch": batch, "layers": layers, "config": tuned.text, key: "shipped", "error": bench.error(tuned)}
+    row["us_per_layer"] = bench.time(tuned, repeats).p50_us / layers
+    show(row, rows)
+    flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
+    row = {"batch": batch, "layers": layers, key: "mul_ contiguous (copy floor)"}
+    row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, repeats).p50_us / layers
+    show(row, rows)
 
 
 def lean_error(bench: CommitBench, config: CommitConfig, update: str) -> float:

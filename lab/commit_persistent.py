@@ -27,17 +27,15 @@ import triton
 import triton.language as tl
 
 from bole_tune.commit_bench import CommitBench
-from bole_tune.config import CommitConfig, default_commit_config, node_block
-from bole_tune.database import CommitKey
+from bole_tune.config import CommitConfig, node_block
 from bole_tune.kernels.common import path_precision
 from bole_tune.kernels.verify import tree_commit as commit_module
 from bole_tune.kernels.verify.blocks import path_factors
 from bole_tune.kernels.verify.result import commit_epoch
 from bole_tune.kernels.verify.tree_commit import commit_span
-from bole_tune.lookup import tuned_commit
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
-from commit_lean import launch_error
+from commit_lean import commit_case, launch_error, shipped_and_copy_floor
 from lab_rows import release, save, show
 
 
@@ -138,11 +136,7 @@ def main() -> None:
     sms = 2 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
-        key = CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers)
-        bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
-        config = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
-                               torch.device(device)) if not args.smoke else None) \
-            or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
+        bench, config = commit_case(heads, batch, layers, device, args.smoke)
         base = {"batch": batch, "layers": layers, "config": config.text}
         for occupancy in map(int, args.occupancy.split(",")):
             programs = sms * occupancy
@@ -162,14 +156,7 @@ def main() -> None:
                     len(results), device, args.repeats).p50_us / layers
             show(row, rows)
         if not args.smoke:
-            row = dict(base, kernel="shipped", error=bench.error(config))
-            row["us_per_layer"] = bench.time(config, args.repeats).p50_us / layers
-            show(row, rows)
-            flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
-            row = dict(base, kernel="mul_ contiguous (copy floor)")
-            row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, args.repeats).p50_us / layers
-            show(row, rows)
-            flats = None
+            shipped_and_copy_floor(bench, config, heads, batch, layers, device, args.repeats, rows)
         bench = None
         release(device)
     save(args.json, rows)

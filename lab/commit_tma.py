@@ -38,17 +38,16 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bole_tune.commit_bench import CommitBench
-from bole_tune.config import CommitConfig, default_commit_config, node_block
+from bole_tune.config import CommitConfig, node_block
 from bole_tune.database import CommitKey
 from bole_tune.kernels.common import path_precision
 from bole_tune.kernels.verify import tree_commit as commit_module
 from bole_tune.kernels.verify.blocks import path_factors
 from bole_tune.kernels.verify.result import commit_epoch
 from bole_tune.kernels.verify.tree_commit import commit_tile
-from bole_tune.lookup import tuned_commit
 from bole_tune.shapes import HeadShape
 from bole_tune.timing import time_launches
-from commit_lean import launch_error
+from commit_lean import commit_case, launch_error, shipped_and_copy_floor
 from lab_rows import release, save, show
 
 CONFIGS = "128/16/128/2/3,128/16/128/2/4,128/32/128/4/3,128/32/128/4/4,64/16/128/2/4,32/32/128/2/4,128/64/128/4/2"
@@ -193,11 +192,7 @@ def main() -> None:
         configs = [CommitConfig(32, 16, 32, 2, 2), CommitConfig(16, 16, 32, 1, 3)]
     rows = []
     for batch in [2] if args.smoke else [int(b) for b in args.batch.split(",")]:
-        key = CommitKey.bucketed(heads, "bf16", 8, batch, layers=layers)
-        bench = CommitBench(key, device, most_sets=2 if args.smoke else None)
-        tuned = (tuned_commit(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, 8, batch, layers,
-                              torch.device(device)) if not args.smoke else None) \
-            or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
+        bench, tuned = commit_case(heads, batch, layers, device, args.smoke)
         for config in configs:
             for store in (True, False):
                 row = {"batch": batch, "layers": layers, "config": config.text,
@@ -221,15 +216,7 @@ def main() -> None:
                     row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
                 show(row, rows)
         if not args.smoke:
-            row = {"batch": batch, "layers": layers, "config": tuned.text, "kernel": "shipped",
-                   "error": bench.error(tuned)}
-            row["us_per_layer"] = bench.time(tuned, args.repeats).p50_us / layers
-            show(row, rows)
-            flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
-            row = {"batch": batch, "layers": layers, "kernel": "mul_ contiguous (copy floor)"}
-            row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, args.repeats).p50_us / layers
-            show(row, rows)
-            flats = None
+            shipped_and_copy_floor(bench, tuned, heads, batch, layers, device, args.repeats, rows)
         bench = None
         release(device)
     save(args.json, rows)
