@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from bole_tune.config import CommitConfig
 from bole_tune.kernels.verify import tree_commit as commit_module
 from bole_tune.shapes import HeadShape
-from bole_tune.timing import time_launches
-from commit_lean import commit_case
+from commit_lean import commit_case, copy_floor_row
 from lab_rows import release, save, show
 
 HINTS = [("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"), ("evict_last", ""), ("", ".cg")]
@@ -61,11 +58,7 @@ def main() -> None:
                 show(row, rows)
             commit_module.COMMIT_STATE_HINTS = shipped
         if not args.smoke:
-            _, states, results, _, _ = bench.sets()
-            flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
-            row = dict(batch=batch, layers=layers, hints="mul_ contiguous (copy floor)")
-            row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, args.repeats).p50_us / layers
-            show(row, rows)
+            copy_floor_row(heads, batch, layers, device, args.repeats, rows, key="hints")
         bench = None
         release(device)
     save(args.json, rows)

@@ -209,6 +209,29 @@ def commit_case(heads: HeadShape, batch: int, layers: int, device, smoke: bool) 
     return bench, tuned or default_commit_config(layers * batch * heads.hv, heads.dk, heads.dv)
 
 
+def launch_us_per_layer(bench: CommitBench, launch, layers: int, device, repeats: int, fresh: bool = True) -> float:
+    """Median us per layer of ``launch(states, slots, results, tree, accepted)`` (as `launch_error` calls it) over
+    the bench's rotating sets; ``fresh``: each call commits a result whose marks were cleared (not a floor's)."""
+    tree, states, results, slots, accepted = bench.sets()
+
+    def one(i):
+        if fresh:
+            results[i].committed.zero_()
+        launch(states, slots[i], results[i], tree, accepted)
+
+    return time_launches(one, len(results), device, repeats).p50_us / layers
+
+
+def copy_floor_row(heads: HeadShape, batch: int, layers: int, device, repeats: int, rows: list,
+                   key: str = "kernel") -> None:
+    """`mul_(1.0)` over a contiguous buffer of the pools' bytes: the copy floor the issue's <= 1.25x is stated
+    against, us per layer."""
+    flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
+    row = {"batch": batch, "layers": layers, key: "mul_ contiguous (copy floor)"}
+    row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, repeats).p50_us / layers
+    show(row, rows)
+
+
 def shipped_and_copy_floor(bench: CommitBench, tuned: CommitConfig, heads: HeadShape, batch: int, layers: int,
                            device, repeats: int, rows: list, key: str = "kernel") -> None:
     """The two reference rows a lab commit is read against: the shipped launch at ``tuned`` (checked, then timed)
@@ -216,10 +239,7 @@ def shipped_and_copy_floor(bench: CommitBench, tuned: CommitConfig, heads: HeadS
     row = {"batch": batch, "layers": layers, "config": tuned.text, key: "shipped", "error": bench.error(tuned)}
     row["us_per_layer"] = bench.time(tuned, repeats).p50_us / layers
     show(row, rows)
-    flats = [torch.empty(layers * batch * heads.hv * heads.dv * heads.dk, device=device) for _ in range(2)]
-    row = {"batch": batch, "layers": layers, key: "mul_ contiguous (copy floor)"}
-    row["us_per_layer"] = time_launches(lambda i: flats[i].mul_(1.0), 2, device, repeats).p50_us / layers
-    show(row, rows)
+    copy_floor_row(heads, batch, layers, device, repeats, rows, key)
 
 
 def lean_error(bench: CommitBench, config: CommitConfig, update: str) -> float:
@@ -250,13 +270,8 @@ def main() -> None:
             error = lean_error(bench, config, update)
             row = dict(base, kernel=f"lean-{update}", config=config.text, error=error)
             if error <= 1e-4 and not args.smoke:
-                tree, states, results, slots, accepted = bench.sets()
-
-                def launch(i, config=config, update=update):
-                    results[i].committed.zero_()
-                    lean_launch(states, slots[i], results[i], tree, accepted, config, update)
-
-                row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
+                row["us_per_layer"] = launch_us_per_layer(
+                    bench, lambda *a, c=config, u=update: lean_launch(*a, c, u), layers, device, args.repeats)
             show(row, rows)
         if args.smoke:
             continue

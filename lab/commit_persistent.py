@@ -34,8 +34,7 @@ from bole_tune.kernels.verify.blocks import path_factors
 from bole_tune.kernels.verify.result import commit_epoch
 from bole_tune.kernels.verify.tree_commit import commit_span
 from bole_tune.shapes import HeadShape
-from bole_tune.timing import time_launches
-from commit_lean import commit_case, launch_error, shipped_and_copy_floor
+from commit_lean import commit_case, launch_error, launch_us_per_layer, shipped_and_copy_floor
 from lab_rows import release, save, show
 
 
@@ -143,17 +142,11 @@ def main() -> None:
             row = dict(base, kernel="persistent", programs=programs)
             row["error"] = persistent_error(bench, config, programs)
             if row["error"] <= 1e-4 and not args.smoke:
-                tree, states, results, slots, accepted = bench.sets()
-
-                def launch(i, programs=programs):
-                    results[i].committed.zero_()
-                    persistent_launch(states, slots[i], results[i], tree, accepted, config, programs)
-
-                row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
-                row["floor_us_per_layer"] = time_launches(
-                    lambda i, p=programs: persistent_launch(states, slots[i], results[i], tree, accepted, config, p,
-                                                            floor=True),
-                    len(results), device, args.repeats).p50_us / layers
+                row["us_per_layer"] = launch_us_per_layer(
+                    bench, lambda *a, p=programs: persistent_launch(*a, config, p), layers, device, args.repeats)
+                row["floor_us_per_layer"] = launch_us_per_layer(
+                    bench, lambda *a, p=programs: persistent_launch(*a, config, p, floor=True), layers, device,
+                    args.repeats, fresh=False)
             show(row, rows)
         if not args.smoke:
             shipped_and_copy_floor(bench, config, heads, batch, layers, device, args.repeats, rows)

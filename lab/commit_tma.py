@@ -46,8 +46,7 @@ from bole_tune.kernels.verify.blocks import path_factors
 from bole_tune.kernels.verify.result import commit_epoch
 from bole_tune.kernels.verify.tree_commit import commit_tile
 from bole_tune.shapes import HeadShape
-from bole_tune.timing import time_launches
-from commit_lean import commit_case, launch_error, shipped_and_copy_floor
+from commit_lean import commit_case, launch_error, launch_us_per_layer, shipped_and_copy_floor
 from lab_rows import release, save, show
 
 CONFIGS = "128/16/128/2/3,128/16/128/2/4,128/32/128/4/3,128/32/128/4/4,64/16/128/2/4,32/32/128/2/4,128/64/128/4/2"
@@ -200,18 +199,13 @@ def main() -> None:
                 try:
                     row["error"] = launch_error(bench, lambda *a, c=config, t=store: tma_launch(*a, c, tma_store=t))
                     if row["error"] <= 1e-4 and not args.smoke:
-                        tree, states, results, slots, accepted = bench.sets()
-
-                        def launch(i, c=config, t=store):
-                            results[i].committed.zero_()
-                            tma_launch(states, slots[i], results[i], tree, accepted, c, tma_store=t)
-
-                        row["us_per_layer"] = time_launches(launch, len(results), device, args.repeats).p50_us / layers
+                        row["us_per_layer"] = launch_us_per_layer(
+                            bench, lambda *a, c=config, t=store: tma_launch(*a, c, tma_store=t), layers, device,
+                            args.repeats)
                         if store:
-                            row["floor_us_per_layer"] = time_launches(
-                                lambda i, c=config: tma_launch(states, slots[i], results[i], tree, accepted, c,
-                                                               floor=True),
-                                len(results), device, args.repeats).p50_us / layers
+                            row["floor_us_per_layer"] = launch_us_per_layer(
+                                bench, lambda *a, c=config: tma_launch(*a, c, floor=True), layers, device,
+                                args.repeats, fresh=False)
                 except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                     row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
                 show(row, rows)
