@@ -33,6 +33,7 @@ class _Knobs:
     """What every tile config shares: its knobs by name, read from a mapping or a ``"a/b/c"`` text."""
 
     REQUIRED: tuple[str, ...] = ()  # knobs without a default: from_dict needs them
+    TEXT_OPTIONAL: tuple[str, ...] = ()  # trailing knobs a text may leave out (added after texts were written)
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -54,10 +55,13 @@ class _Knobs:
 
     @classmethod
     def from_text(cls, text: str):
-        """The inverse of `text` (``"64/32/4/2"``)."""
-        parts = text.split("/")
-        if len(parts) != len(cls.knobs()):
-            raise ValueError(f"config {text!r}: expected {len(cls.knobs())} values separated by '/'")
+        """The inverse of `text` (``"64/32/4/2"``); the trailing knobs of ``TEXT_OPTIONAL`` may be left out (a
+        text written before they existed)."""
+        parts, most = text.split("/"), len(cls.knobs())
+        least = most - len(cls.TEXT_OPTIONAL)
+        if not least <= len(parts) <= most:
+            extra = f" ({most} with {', '.join(cls.TEXT_OPTIONAL)})" if cls.TEXT_OPTIONAL else ""
+            raise ValueError(f"config {text!r}: expected {least} values{extra} separated by '/'")
         try:
             return cls(*(int(p) for p in parts))
         except ValueError as error:
@@ -111,6 +115,10 @@ class CommitConfig(_Knobs):
 
     b_k: state columns per program (divides dk). b_v: rows per streamed tile (divides v_span).
     v_span: rows per program (divides dv). num_warps, num_stages: Triton launch parameters.
+    tma: 1 to read the state tiles by TMA (a tensor descriptor over the pool: bulk copies into shared memory,
+    ``num_stages`` of them in flight, the tiles' updates written back by pointers), 0 by per-thread pointer loads.
+    A TMA launch needs an sm_90+ GPU and a contiguous, 16-byte aligned pool; elsewhere it reads by pointers
+    (`tree_commit.tma_state_loads`), with the same result.
     """
 
     b_k: int
@@ -118,8 +126,10 @@ class CommitConfig(_Knobs):
     v_span: int
     num_warps: int = 2
     num_stages: int = 3
+    tma: int = 0
 
     REQUIRED = ("b_k", "b_v", "v_span")
+    TEXT_OPTIONAL = ("tma",)
 
     def __post_init__(self):
         for name in ("b_k", "b_v", "v_span"):
@@ -128,6 +138,15 @@ class CommitConfig(_Knobs):
             raise ValueError(f"CommitConfig.b_v: expected at most v_span ({self.v_span}): a program streams its "
                              f"v_span rows in tiles of b_v, got {self.b_v!r}")
         _launch_knobs("CommitConfig", self.num_warps, self.num_stages)
+        if self.tma not in (0, 1) or isinstance(self.tma, bool):
+            raise ValueError(f"CommitConfig.tma: expected 0 (pointer loads) or 1 (TMA loads), got {self.tma!r}")
+
+    @property
+    def text(self) -> str:
+        """``"b_k/b_v/v_span/warps/stages"``, with ``"/1"`` after it for a TMA launch (a pointer launch keeps the
+        five-value text it had before the ``tma`` knob, so recordings and studies that name one still match)."""
+        text = f"{self.b_k}/{self.b_v}/{self.v_span}/{self.num_warps}/{self.num_stages}"
+        return f"{text}/1" if self.tma else text
 
     def fits(self, dk: int, dv: int) -> bool:
         """Whether the tiles divide the head dimensions (b_k divides dk, v_span divides dv)."""
@@ -139,7 +158,7 @@ class CommitConfig(_Knobs):
 
     def __str__(self) -> str:
         return (f"b_k={self.b_k} b_v={self.b_v} v_span={self.v_span} warps={self.num_warps} "
-                f"stages={self.num_stages}")
+                f"stages={self.num_stages}{' tma' if self.tma else ''}")
 
 
 def default_config(dk: int, dv: int) -> KernelConfig:

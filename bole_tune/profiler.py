@@ -50,7 +50,7 @@ from bole_tune.lookup import decide, decide_commit
 from bole_tune.precompile import precompile
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.runners import GPURunner, Measurement, RecordingIncomplete, ReplayRunner
-from bole_tune.search_space import SearchSpace, feasible
+from bole_tune.search_space import SearchSpace, feasible, for_device
 from bole_tune.shapes import BATCH_BUCKETS, TREE_BUCKETS, torch_dtype
 from bole_tune.timing import Timing, time_launches
 from bole_tune.tuner import (FINISHED, TuneResult, default_storage, exhaustive_bucket, load_result, open_storage,
@@ -393,6 +393,7 @@ def tune_commits(plan: ProfilePlan, runner, space: SearchSpace, db_path, storage
     if space.kind != "commit":
         raise ValueError(f"space: the commit is tuned over the commit search space, got the {space.kind} one")
     fp = fp or runner.fingerprint()
+    space = for_device(space, fp.facts, fp.kind)
     keys = plan_commit_keys(plan)
     storage_url = open_storage_url(storage)
     store = open_storage(storage_url)
@@ -462,7 +463,9 @@ def exhaustive(plan: ProfilePlan, runner, space: SearchSpace, progress: Callable
         from bole_tune.commit_bench import precompile_commits
 
         keys = plan_commit_keys(plan)
-        if isinstance(getattr(runner, "inner", runner), GPURunner) and runner.fingerprint().kind == "gpu":
+        fp = runner.fingerprint()
+        space = for_device(space, fp.facts, fp.kind)
+        if isinstance(getattr(runner, "inner", runner), GPURunner) and fp.kind == "gpu":
             precompile_commits(keys, space.configs())
         total, done, found = len(keys) * len(space.configs()), [0], {}
         for key in keys:

@@ -7,6 +7,7 @@ The file's top-level knobs are `tree_verify`'s (`KernelConfig`); its ``commit`` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,22 @@ from bole_tune.shapes import torch_dtype
 DEFAULT_SHARED_MEMORY = 227 * 1024  # bytes per block on sm_90 when the device does not say
 KINDS = {"verify": KernelConfig, "commit": CommitConfig}
 COMMIT_SECTION = "commit"
+SWITCHES = ("tma",)  # knobs that are on (1) or off (0), not sizes
+
+
+def for_device(space: "SearchSpace", facts: dict, kind: str = "gpu") -> "SearchSpace":
+    """``space`` as a device with these fingerprint ``facts`` can use it: with its ``tma`` knob held at 0 on a
+    device without TMA (a GPU before sm_90, or a CPU), where a ``tma=1`` launch reads by pointers and would only
+    measure the ``tma=0`` one again."""
+    if "tma" not in space.values or space.values["tma"] == (0,):
+        return space
+    try:
+        major = int(str(facts.get("compute_capability", "0")).split(".")[0])
+    except ValueError:
+        major = 0
+    if kind == "gpu" and major >= 9:
+        return space
+    return SearchSpace({**space.values, "tma": (0,)}, source=space.source, kind=space.kind)
 
 
 @dataclass(frozen=True)
@@ -53,13 +70,19 @@ class SearchSpace:
             f = f.sub(COMMIT_SECTION)
             f.reject_unknown(set(knobs))
         values = {}
+        defaults = {fd.name: fd.default for fd in dataclasses.fields(config_type)}
         for name in knobs:
+            if name in config_type.TEXT_OPTIONAL and name not in f.data:
+                values[name] = (defaults[name],)  # a space written before the knob existed: it stays off
+                continue
             items = f.get(name, list)
             if not items:
                 raise ProfileError(f"{f._where(name)}: the list is empty")
+            least = 0 if name in SWITCHES else 1
             for item in items:
-                if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
-                    raise ProfileError(f"{f._where(name)}: expected positive ints, got {item!r}")
+                if isinstance(item, bool) or not isinstance(item, int) or item < least:
+                    raise ProfileError(f"{f._where(name)}: expected {'ints >= 0' if least == 0 else 'positive ints'}, "
+                                       f"got {item!r}")
             values[name] = tuple(sorted(set(items)))
         try:
             configs = _combinations(config_type, values)

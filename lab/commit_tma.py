@@ -168,6 +168,35 @@ def sass(heads: HeadShape, configs: list[CommitConfig]) -> None:
                 print(config.text, name, "failed:", type(e).__name__, str(e)[:300])
 
 
+def shipped_tma(heads: HeadShape, batches: str, layers: int, device, repeats: int, smoke: bool) -> list:
+    """The shipped launch's two state loads side by side: its tuned config with ``tma`` 0 and 1 (each checked against
+    the closed form, then timed; two turns, the second in reverse order), and the copy floor, us per layer."""
+    import dataclasses
+
+    from bole_tune.kernels.verify import tree_commit as shipped
+
+    if smoke:
+        shipped.TMA_OFF_GPU = True
+    rows = []
+    for batch in [2] if smoke else [int(b) for b in batches.split(",")]:
+        bench, tuned = commit_case(heads, batch, layers, device, smoke)
+        configs = [dataclasses.replace(tuned, tma=0), dataclasses.replace(tuned, tma=1)]
+        for turn in range(1 if smoke else 2):
+            for config in configs if turn % 2 == 0 else configs[::-1]:
+                row = {"batch": batch, "layers": layers, "config": config.text, "turn": turn,
+                       "kernel": "shipped, tma loads" if config.tma else "shipped, pointer loads",
+                       "error": bench.error(config)}
+                if not smoke:
+                    row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
+                show(row, rows)
+        if not smoke:
+            from commit_lean import copy_floor_row
+            copy_floor_row(heads, batch, layers, device, repeats, rows)
+        bench = None
+        release(device)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -177,6 +206,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--sass", action="store_true")
+    parser.add_argument("--shipped", action="store_true",
+                        help="the shipped launch (tree_commit_layers) at its tuned config, tma=0 against tma=1")
     args = parser.parse_args()
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
     configs = [CommitConfig(*map(int, c.split("/"))) for c in args.configs.split(",") if c]
@@ -187,6 +218,9 @@ def main() -> None:
         return
     device = "cpu" if args.smoke else "cuda"
     layers = 2 if args.smoke else args.layers
+    if args.shipped:
+        save(args.json, shipped_tma(heads, args.batch, layers, device, args.repeats, args.smoke))
+        return
     if args.smoke:
         configs = [CommitConfig(32, 16, 32, 2, 2), CommitConfig(16, 16, 32, 1, 3)]
     rows = []

@@ -65,7 +65,7 @@ def commit_entry(key: CommitKey, config: CommitConfig, p50: float = 10.0) -> dic
 
 def test_commit_config_knobs_and_round_trips():
     config = CommitConfig(b_k=128, b_v=16, v_span=64, num_warps=2, num_stages=3)
-    assert CommitConfig.knobs() == ("b_k", "b_v", "v_span", "num_warps", "num_stages")
+    assert CommitConfig.knobs() == ("b_k", "b_v", "v_span", "num_warps", "num_stages", "tma")
     assert config.text == "128/16/64/2/3" and CommitConfig.from_text(config.text) == config
     assert CommitConfig.from_dict(config.as_dict()) == config
     assert CommitConfig.from_dict({"b_k": 32, "b_v": 16, "v_span": 32}) == CommitConfig(32, 16, 32, 2, 3)
@@ -121,12 +121,53 @@ def commit_case(device, sizes=(9, 5), dtype=F32, seed=3):
     return tree, x, res, accepted, expected
 
 
-@pytest.mark.parametrize("config", [CommitConfig(16, 16, 16, 2, 2), CommitConfig(32, 16, 32, 4, 3)],
+@pytest.mark.parametrize("config", [CommitConfig(16, 16, 16, 2, 2), CommitConfig(32, 16, 32, 4, 3),
+                                    CommitConfig(32, 16, 32, 2, 3, tma=1), CommitConfig(16, 16, 16, 2, 2, tma=1)],
                          ids=lambda c: c.text)
-def test_tree_commit_with_a_given_config_matches_the_closed_form(device, config):
+def test_tree_commit_with_a_given_config_matches_the_closed_form(device, config, monkeypatch):
+    monkeypatch.setattr(commit_module, "TMA_OFF_GPU", True)  # tma=1: by TMA here too (the interpreter runs it)
     tree, x, res, accepted, expected = commit_case(device)
+    if config.tma and commit_module.use_triton(x.state.device):
+        assert commit_module.tma_state_loads(x.state, config)
     tree_commit(x.state, x.state_indices, res, accepted, config=config)
     assert_close(x.state, expected, TOLERANCE[F32], f"pool after tree_commit with {config}")
+
+
+def test_a_tma_commit_where_tma_cannot_read_falls_back_to_pointer_loads(device, monkeypatch):
+    """A tma=1 launch over a pool TMA cannot read (strided, or off a GPU without the switch) reads by pointers:
+    the same committed state, no error."""
+    tree, x, res, accepted, expected = commit_case(device)
+    config = CommitConfig(32, 16, 32, 2, 3, tma=1)
+    slots, hv, dv, dk = x.state.shape
+    strided = torch.zeros(slots, hv + 1, dv, dk, device=device)[:, :hv]  # each slot padded by a head
+    strided.copy_(x.state)
+    monkeypatch.setattr(commit_module, "TMA_OFF_GPU", True)
+    assert not commit_module.tma_state_loads(strided, config)  # not contiguous
+    assert not commit_module.tma_state_loads(x.state, CommitConfig(32, 512, 512, 2, 3, tma=1))  # taller than a box
+    tree_commit(strided, x.state_indices, res, accepted, config=config)
+    assert_close(strided, expected, TOLERANCE[F32], "strided pool after a tma=1 tree_commit")
+    monkeypatch.setattr(commit_module, "TMA_OFF_GPU", False)
+    if device == "cpu":
+        assert not commit_module.tma_state_loads(x.state, config)
+        expected_again = x.state.clone()
+        res.committed.zero_()  # the strided commit marked the requests committed
+        commit_closed_form(expected_again, x.state_indices, res, accepted)
+        res.committed.zero_()
+        tree_commit(x.state, x.state_indices, res, accepted, config=config)
+        assert_close(x.state, expected_again, TOLERANCE[F32], "pool after a tma=1 tree_commit read by pointers")
+
+
+def test_the_tma_knob_is_a_switch_and_a_pointer_config_keeps_its_text():
+    assert CommitConfig(128, 16, 128, 2, 3).text == "128/16/128/2/3"
+    assert CommitConfig(128, 16, 128, 2, 3, tma=1).text == "128/16/128/2/3/1"
+    for text in ("128/16/128/2/3", "128/16/128/2/3/1", "128/16/128/2/3/0"):
+        config = CommitConfig.from_text(text)
+        assert config.tma == (1 if text.endswith("/1") else 0) and CommitConfig.from_text(config.text) == config
+    assert CommitConfig.from_dict({"b_k": 32, "b_v": 16, "v_span": 32, "tma": 1}).tma == 1
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ValueError, match="CommitConfig.tma: expected 0 .pointer loads. or 1"):
+            CommitConfig(32, 16, 32, tma=bad)
+    assert "tma" in str(CommitConfig(32, 16, 32, tma=1)) and "tma" not in str(CommitConfig(32, 16, 32))
 
 
 def test_a_bad_commit_config_is_refused_naming_the_argument(device):
@@ -334,6 +375,26 @@ def test_the_commit_search_space_holds_valid_configs_and_the_fallbacks():
     assert not ok and "v_span=128 do not divide" in reason
     ok, reason = feasible(CommitConfig(128, 32, 128, 4, 8), 128, 128, 8, "bf16", shared_memory_limit=64 * 1024)
     assert not ok and "shared memory" in reason
+
+
+def test_the_tma_knob_is_tuned_only_where_the_device_has_tma(tmp_path):
+    from bole_tune.search_space import for_device
+
+    assert SPACE.values["tma"] == (0, 1) and SPACE.size == 2 * for_device(SPACE, {}, "cpu").size
+    for facts, kind, kept in (({"compute_capability": "9.0"}, "gpu", True), ({"compute_capability": "10.0"}, "gpu", True),
+                              ({"compute_capability": "8.0"}, "gpu", False), ({}, "gpu", False),
+                              ({"compute_capability": "9.0"}, "cpu", False), ({"compute_capability": "x"}, "gpu", False)):
+        space = for_device(SPACE, facts, kind)
+        assert (space.values["tma"] == (0, 1)) == kept, (facts, kind)
+        assert all(c.tma == 0 for c in space.configs()) != kept
+    path = tmp_path / "space.yaml"
+    path.write_text(TINY_SPACE_TEXT)  # written before the knob: tma stays off
+    assert SearchSpace.load(path, kind="commit").values["tma"] == (0,)
+    path.write_text(TINY_SPACE_TEXT + "  tma: [0, 1]\n")
+    assert SearchSpace.load(path, kind="commit").size == 2 * 2 * 2
+    path.write_text(TINY_SPACE_TEXT + "  tma: [0, 2]\n")
+    with pytest.raises(ProfileError, match="commit.CommitConfig.tma: expected 0"):
+        SearchSpace.load(path, kind="commit")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -563,7 +624,7 @@ def test_tune_commit_replay_then_lookup_from_the_command_line(tmp_path, capsys):
     for args, message in (
             (["tune", "--commit", "--replay", str(recording), "--workers", "2"], "--workers"),
             (["tune", "--commit", "--replay", str(recording), "--trials", "500"],
-             "--trials: 500 is more than the 126 configs of the commit search space"),
+             "--trials: 500 is more than the 252 configs of the commit search space"),
             ([*lookup_args, "--layers", "24"], "--layers: only with --commit")):
         assert main([*args, "--db-dir", str(db_dir)]) == 2, args
         assert message in " ".join(capsys.readouterr().err.split()), args

@@ -402,14 +402,24 @@ def test_resident_self_check_passes_a_good_config(device):
         assert error <= tolerance, (deep, error, tolerance)
 
 
+@pytest.mark.parametrize("loads", ["tuned", "tma"])
 @pytest.mark.parametrize("layers,sizes,kind", [(3, [5, 1, 9], "random"), (1, [20], "random"), (2, [18, 3], "chain")],
                          ids=["L3-B3", "L1-B1", "L2-B2-deep-chain"])
-def test_one_commit_launch_for_all_layers(device, layers, sizes, kind):
+def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, monkeypatch):
     """tree_commit_layers commits every layer's accepted path in one launch: each layer's slot equals the
     float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched
-    (also for paths longer than the 16 nodes a program gathers at once)."""
+    (also for paths longer than the 16 nodes a program gathers at once). ``tma``: the state tiles read by TMA
+    (two tiles a program, pipelined; on the CPU through the interpreter's tensor descriptors), the deep chain's
+    later passes reading back by pointers what the first one stored."""
+    from bole_tune.config import CommitConfig
     from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
+
+    config = None
+    if loads == "tma":
+        monkeypatch.setattr(commit_module, "TMA_OFF_GPU", True)
+        config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=1)
 
     tree = make_tree(sizes, kind, seed=31, device=device)
     assert (tree.depth >= 16) == (kind == "chain")  # a path of more than 16 nodes is gathered in several passes
@@ -426,7 +436,9 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind):
         pools.append((x.state, x.state_indices))
         expected.append(ref.committed(x.state, x.state_indices, tree, accepted))
     states = torch.stack([p for p, _ in pools])
-    tree_commit_layers(states, pools[0][1], results, tree, accepted)
+    if loads == "tma":
+        assert commit_module.tma_state_loads(states, config), "the TMA path must be the one under test"
+    tree_commit_layers(states, pools[0][1], results, tree, accepted, config=config)
     for layer in range(layers):
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
 

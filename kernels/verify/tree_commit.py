@@ -36,6 +36,7 @@ from operator import or_
 from typing import Callable
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
@@ -70,8 +71,8 @@ streaming stores (".cs", ".cg") were 0-1.5% slower."""
 @triton.jit(do_not_specialize=["epoch", "num_requests", "stride_logp_layer", "stride_k_scale_layer",
                                "stride_committed_layer"])
 def tree_commit_kernel(
-    # state pool and request metadata
-    state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
+    # state pool (and, for TMA loads, a descriptor over it as [rows, dk]) and request metadata
+    state_desc, state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
     # factors from the verification
     u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch,
     # strides (per layer: 0 for a single layer)
@@ -81,6 +82,7 @@ def tree_commit_kernel(
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
     PRODUCT: tl.constexpr = "ieee", LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
+    TMA: tl.constexpr = False, STAGES: tl.constexpr = 3,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -107,8 +109,11 @@ def tree_commit_kernel(
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
     o_k = i_k * B_K + tl.arange(0, B_K)
     p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-    b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0,
-                      eviction_policy=LOAD_HINT)
+    if TMA:
+        b_first = 0.0
+    else:
+        b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0,
+                          eviction_policy=LOAD_HINT)
     if commit:
         tl.store(committed_ptr + i_r, epoch)
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
@@ -116,8 +121,18 @@ def tree_commit_kernel(
         # decays S_pre, later ones (paths deeper than B_P) add to what it wrote
         rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
                                                  node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
-        commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                    stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
+        if TMA:
+            # the pool as [rows, D_K] (host-checked: contiguous rows of D_K, fewer than 2^31 of them); the first
+            # pass's tiles come in by TMA, STAGES in flight, and go out by pointer stores, so a later pass reads
+            # them back by pointers after the barrier, as the pointer launch does
+            row0 = ((i_l * stride_s_layer + slot * stride_s_slot + i_h * stride_s_h) // D_K
+                    + i_span * V_SPAN).to(tl.int32)
+            commit_span_tma(state_desc, p_slab, row0, (i_k * B_K).to(tl.int32), rows, m_p, weight, tl.exp(logp_a),
+                            o_k, i_h, i_hk, i_span, u_ptr, k_ptr, stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN,
+                            PRODUCT, STORE_HINT, STAGES)
+        else:
+            commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr,
+                        k_ptr, stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
         for i_p in range(1, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
             tl.debug_barrier()
             rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
@@ -144,6 +159,22 @@ def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, de
     for i_c in range(first, V_SPAN // B_V):
         o_c = i_c * B_V + tl.arange(0, B_V)
         b_s = tl.load(p_slab + o_c[:, None] * stride_s_v, eviction_policy=LOAD_HINT)
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
+                             PRODUCT), cache_modifier=STORE_HINT)
+
+
+@triton.jit
+def commit_span_tma(state_desc, p_slab, row0, col, rows, m_p, weight, decay, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
+                    stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr, B_V: tl.constexpr,
+                    V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, STORE_HINT: tl.constexpr, STAGES: tl.constexpr):
+    """`commit_span`'s first pass with the state tiles read by TMA (``state_desc`` over the pool's ``[rows, D_K]``
+    from row ``row0``, column ``col``): a pipelined loop, ``STAGES`` tiles in flight in shared memory."""
+    b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
+                  other=0).to(tl.float32)
+    for i_c in tl.range(0, V_SPAN // B_V, num_stages=STAGES):
+        o_c = i_c * B_V + tl.arange(0, B_V)
+        b_s = state_desc.load([row0 + i_c * B_V, col])
         tl.store(p_slab + o_c[:, None] * stride_s_v,
                  commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
                              PRODUCT), cache_modifier=STORE_HINT)
@@ -298,11 +329,47 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     tensors = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed)
     scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
     pointers = tuple(map(_data_ptr, tensors))
+    tma = bool(config.tma) and tma_state_loads(states, config)
+    # the descriptor is built per launch (about 2 us of host time): caching it would keep an engine's pool alive
+    desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = None if reduce(or_, pointers) & 15 else (
-        config, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
+        config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
         k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, *state_strides, *layer_strides)
-    COMMIT.launch_keyed(key, grid, pointers + scalars, lambda: tensors + scalars, lambda: dict(
+    COMMIT.launch_keyed(key, grid, (desc, *pointers, *scalars), lambda: (desc, *tensors, *scalars), lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
-        PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], num_warps=config.num_warps, num_stages=config.num_stages))
+        PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], TMA=tma,
+        STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+TMA_MAX_BOX = 256  # a TMA copy's box: at most 256 elements along each dimension
+
+
+def tma_state_loads(states, config: CommitConfig) -> bool:
+    """Whether a ``tma=1`` launch over ``states`` (one layer's pool, or the stacked layers' pools) reads its state
+    tiles by TMA here: on an sm_90+ GPU (`tma_device`), with the pool contiguous (its rows of ``dk`` seen as one
+    ``[rows, dk]`` matrix), 16-byte aligned, fewer than 2^31 rows (the kernel's row offsets are int32) and the
+    tile within a TMA box. Elsewhere the launch reads by pointers: the same result, the pointer path's speed."""
+    dk = states.shape[-1]
+    return (tma_device(states.device) and states.is_contiguous() and states.data_ptr() % 16 == 0
+            and (dk * states.element_size()) % 16 == 0 and states.numel() // dk < 2 ** 31
+            and config.b_v <= TMA_MAX_BOX and config.b_k <= TMA_MAX_BOX)
+
+
+_tma_devices: dict = {}
+TMA_OFF_GPU = False
+"""Let ``tma=1`` launches off a GPU read by TMA too (Triton's interpreter runs tensor descriptors): the CPU tests
+set it to prove the TMA path's arithmetic where CI has no GPU."""
+
+
+def tma_device(device: torch.device) -> bool:
+    """Whether ``device`` can read by TMA: a CUDA GPU of compute capability 9.0 or later (cached per device), or,
+    with `TMA_OFF_GPU` set, any device Triton's interpreter runs on."""
+    if device.type != "cuda":
+        return TMA_OFF_GPU
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capable = _tma_devices.get(index)
+    if capable is None:
+        capable = _tma_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return capable
