@@ -7,8 +7,8 @@ is a ``data_ptr`` call and a driver query of each tensor's pointer). `FastLaunch
 each specialisation it has seen and later calls its C launcher directly, on one of two keys:
 
 - `FastLauncher.__call__`: a tuple of what Triton specialises on, taken from the arguments themselves (each
-  specialised integer's value, each tensor's dtype and 16-byte alignment, the 32/64-bit range of the integers Triton
-  does not specialise, and the launch's constants and options), so a call that Triton would compile differently
+  specialised integer's value, each tensor's dtype and 16-byte alignment, each host tensor descriptor's dtype and
+  block, the 32/64-bit range of the integers Triton does not specialise, and the launch's constants and options), so a call that Triton would compile differently
   never reuses another call's binary. Building it costs about as much as Triton's binder.
 - `FastLauncher.launch_keyed`: a key the caller builds from what it knows (the verify and the commit: their launch
   or config, sizes, dtypes, strides, and whether every tensor is 16-byte aligned; the shapes and dtypes fixed by
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 
@@ -84,6 +85,8 @@ class FastLauncher:
                 return None
             if isinstance(arg, torch.Tensor):
                 spec.append((arg.dtype, kind == "tensor-any-alignment" or arg.data_ptr() & 15 == 0))
+            elif isinstance(arg, TensorDescriptor):  # Triton's type: the base's dtype and the block (rank, padding)
+                spec.append(("tensordesc", arg.base.dtype, tuple(arg.block_shape), len(arg.shape), arg.padding))
             elif type(arg) is int and kind == "range":
                 spec.append(-0x80000000 <= arg <= 0x7FFFFFFF)
             elif type(arg) is float:

@@ -64,6 +64,25 @@ def test_the_second_launch_of_a_specialisation_goes_straight_to_the_binary(launc
     assert args == (4, 2, 1, 7, "function", "metadata", None, None, None, x, 32, 2, None)
 
 
+def test_a_tensor_descriptor_is_keyed_by_its_dtype_and_block(launcher):
+    """A host tensor descriptor (the TMA commit's pool) is passed to the binary as it is (Triton's C launcher
+    encodes it); a descriptor of another dtype or block goes through Triton's path (another binary)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(64 * 16)
+
+    def desc(block, base=x):
+        return TensorDescriptor(base, [64, 16], [16, 1], block)
+
+    first = desc([16, 16])
+    launcher((4,), first, 32, 1, N=8)
+    launcher((4,), desc([16, 16], torch.zeros(64 * 16)), 32, 1, N=8)  # another pool, the same type: kept binary
+    launcher((4,), desc([32, 16]), 32, 1, N=8)
+    launcher((4,), desc([16, 16], torch.zeros(64 * 16, dtype=torch.float16)), 32, 1, N=8)
+    assert paths(launcher) == ["triton", "fast", "triton", "triton"]
+    assert launcher.fn.log[1][1][9] is not first and isinstance(launcher.fn.log[1][1][9], TensorDescriptor)
+
+
 @pytest.mark.parametrize("change", ["misaligned view", "dtype", "stride 1", "stride not a multiple of 16",
                                     "epoch past int32", "constant", "option"])
 def test_a_launch_triton_would_specialise_differently_goes_through_triton(launcher, change):
