@@ -31,7 +31,7 @@ from bole_tune.config import CommitConfig, KernelConfig, default_commit_config, 
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.kernels import PLANNER
 from bole_tune.runners import DeviceLost, Measurement
-from bole_tune.search_space import SearchSpace, feasible
+from bole_tune.search_space import SWITCHES, SearchSpace, feasible
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -170,7 +170,11 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
     default = default_for(key)
     if not study.trials:
         study.set_user_attr("key", key.as_dict())
-        starts = [default] + list(warm_start) + kernel_starts(key)
+        warm = list(warm_start)
+        # the default and the first warm start (the bucket's own entry, where it has one) with each switch of the
+        # space turned the other way (the commit's tma): a switch changes the kernel, so a re-tune measures both
+        starts = ([default] + warm[:1] + [t for c in [default] + warm[:1] for t in switch_twins(c, space)]
+                  + warm[1:] + kernel_starts(key))
         for config in dict.fromkeys(starts):  # in order, once each
             if space.contains(config):
                 study.enqueue_trial(config.as_dict(), skip_if_exists=True)
@@ -342,6 +346,14 @@ def _ranked_configs(study, config_type: type = KernelConfig) -> list:
             config = config_type.from_dict(t.params)
             ranked[config.text] = (m.p50_us, config)
     return [c for _, c in sorted(ranked.values(), key=lambda x: x[0])]
+
+
+def switch_twins(config, space: SearchSpace) -> list:
+    """``config`` with one of the space's on/off knobs (`search_space.SWITCHES`) turned the other way, for each
+    such knob the space lets take both values."""
+    values = config.as_dict()
+    return [type(config)(**{**values, name: other}) for name in SWITCHES if name in values
+            for other in space.values.get(name, ()) if other != values[name]]
 
 
 def step_neighbours(config, space: SearchSpace) -> list:

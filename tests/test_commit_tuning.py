@@ -421,11 +421,11 @@ def commit_cost(config: CommitConfig, key: CommitKey) -> float:
             + 0.3 * (config.b_v == 32))
 
 
-def write_commit_recording(path, keys, wrong=()):
+def write_commit_recording(path, keys, wrong=(), cost=commit_cost):
     measurements = {}
     for key in keys:
         for c in SPACE.configs():
-            t = commit_cost(c, key)
+            t = cost(c, key)
             m = (Measurement("wrong", rel_error=0.3, message="relative error 3e-1 against commit_closed_form")
                  if c.text in wrong else Measurement("ok", t - 0.1, t, t + 0.1, 1e-7, method="replay"))
             measurements.setdefault(key.text, {})[c.text] = m.as_dict()
@@ -453,6 +453,26 @@ def test_a_commit_study_finds_the_best_region_and_never_chooses_a_wrong_config(t
         ["relative error 3e-1 against commit_closed_form"]
     with pytest.raises(ValueError, match="needs the commit search space"):
         tune_bucket(runner, key, SearchSpace.load(), storage(tmp_path), 4, "replay-gpu")
+
+
+def test_a_re_tune_measures_the_known_best_launch_with_its_switch_turned(tmp_path):
+    """A 12-trial re-tune from the bucket's entry (a pointer-load launch) measures the same tiles with TMA loads
+    too: on the H200 that twin was 4% faster at B=16, and a quick study that only sampled missed it."""
+    from bole_tune.tuner import switch_twins
+
+    key = commit_key(batch=16, layers=24)
+    entry = CommitConfig(128, 16, 128, 2, 3)
+    assert switch_twins(entry, SPACE) == [CommitConfig(128, 16, 128, 2, 3, tma=1)]
+    assert switch_twins(entry, SearchSpace({**SPACE.values, "tma": (0,)}, kind="commit")) == []
+
+    def cost(c, k):  # the entry's tiles are the best; TMA loads take 3% off any launch
+        base = 5 + 0.5 * sum(getattr(c, n) != getattr(entry, n) for n in ("b_k", "b_v", "v_span", "num_warps",
+                                                                            "num_stages"))
+        return base * (0.97 if c.tma else 1.0)
+
+    runner = ReplayRunner(write_commit_recording(tmp_path / "rec.json", [key], cost=cost))
+    result = tune_bucket(runner, key, SPACE, storage(tmp_path), 12, "replay-gpu", warm_start=[entry])
+    assert result.best == CommitConfig(128, 16, 128, 2, 3, tma=1), result.best
 
 
 def test_a_buffered_study_is_stored_and_never_measured_twice(tmp_path):
