@@ -7,6 +7,7 @@ B=1). Wall time per call in a loop of eager calls (no sync inside the loop), and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import json
@@ -17,6 +18,7 @@ import torch
 
 from bole_tune.kernels import (PLANNER, LayerResults, PendingCommit, PendingPaths, PendingRing, tree_commit,
                                tree_commit_layers, tree_verify)
+from bole_tune.kernels.verify.tree_commit import commit_config
 from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
 from bole_tune.kernels.verify.result import result_buffers
 from bole_tune.kernels.verify.run import run_launch
@@ -128,6 +130,9 @@ def main() -> None:
     read = ring.begin(tree)
     ring.held = ring.rounds
     write = ring.begin(tree)
+    # the tuned all-layer launch with TMA loads (a tensor descriptor built and encoded per call)
+    tma_config = dataclasses.replace(commit_config(shape.heads.hk, shape.heads.hv, shape.heads.dk, shape.heads.dv,
+                                                   torch.bfloat16, tree.max_tree_size, args.batch, 24, dev), tma=1)
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
@@ -139,6 +144,8 @@ def main() -> None:
         "ring.end (once a round, all layers)": lambda: ring.end(read, x.state_indices, accepted, validate=False),
         "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),
         "tree_commit_layers (24 layers)": lambda: tree_commit_layers(states, x.state_indices, layers, tree, accepted),
+        "tree_commit_layers (24 layers, tma=1)": lambda: tree_commit_layers(states, x.state_indices, layers, tree,
+                                                                            accepted, config=tma_config),
         "  check_verify_inputs": lambda: check_verify_inputs(*a, None, None),
         "  check_pending": lambda: check_pending(pending, shape, x.q.device, res2, None),
         "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
