@@ -132,7 +132,7 @@ def main() -> None:
     write = ring.begin(tree)
     # the tuned all-layer launch with TMA loads (a tensor descriptor built and encoded per call)
     tma_config = dataclasses.replace(commit_config(shape.heads.hk, shape.heads.hv, shape.heads.dk, shape.heads.dv,
-                                                   torch.bfloat16, tree.max_tree_size, args.batch, 24, dev), tma=1)
+                                                   torch.bfloat16, tree.max_tree_size, args.batch, 24, torch.device(dev)), tma=1)
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
