@@ -33,7 +33,8 @@ class _Knobs:
     """What every tile config shares: its knobs by name, read from a mapping or a ``"a/b/c"`` text."""
 
     REQUIRED: tuple[str, ...] = ()  # knobs without a default: from_dict needs them
-    TEXT_OPTIONAL: tuple[str, ...] = ()  # trailing knobs a text may leave out (added after texts were written)
+    SWITCHES: tuple[str, ...] = ()  # on (1) / off (0) knobs, last, added after the tiles: off where a text or a
+    # search space written before them leaves them out
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -55,12 +56,12 @@ class _Knobs:
 
     @classmethod
     def from_text(cls, text: str):
-        """The inverse of `text` (``"64/32/4/2"``); the trailing knobs of ``TEXT_OPTIONAL`` may be left out (a
-        text written before they existed)."""
+        """The inverse of `text` (``"64/32/4/2"``); the trailing ``SWITCHES`` may be left out (a text written
+        before they existed)."""
         parts, most = text.split("/"), len(cls.knobs())
-        least = most - len(cls.TEXT_OPTIONAL)
+        least = most - len(cls.SWITCHES)
         if not least <= len(parts) <= most:
-            extra = f" ({most} with {', '.join(cls.TEXT_OPTIONAL)})" if cls.TEXT_OPTIONAL else ""
+            extra = f" ({most} with {', '.join(cls.SWITCHES)})" if cls.SWITCHES else ""
             raise ValueError(f"config {text!r}: expected {least} values{extra} separated by '/'")
         try:
             return cls(*(int(p) for p in parts))
@@ -129,7 +130,7 @@ class CommitConfig(_Knobs):
     tma: int = 0
 
     REQUIRED = ("b_k", "b_v", "v_span")
-    TEXT_OPTIONAL = ("tma",)
+    SWITCHES = ("tma",)
 
     def __post_init__(self):
         for name in ("b_k", "b_v", "v_span"):

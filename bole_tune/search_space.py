@@ -20,7 +20,6 @@ from bole_tune.shapes import torch_dtype
 DEFAULT_SHARED_MEMORY = 227 * 1024  # bytes per block on sm_90 when the device does not say
 KINDS = {"verify": KernelConfig, "commit": CommitConfig}
 COMMIT_SECTION = "commit"
-SWITCHES = ("tma",)  # knobs that are on (1) or off (0), not sizes
 
 
 def for_device(space: "SearchSpace", facts: dict, kind: str = "gpu") -> "SearchSpace":
@@ -72,13 +71,13 @@ class SearchSpace:
         values = {}
         defaults = {fd.name: fd.default for fd in dataclasses.fields(config_type)}
         for name in knobs:
-            if name in config_type.TEXT_OPTIONAL and name not in f.data:
+            if name in config_type.SWITCHES and name not in f.data:
                 values[name] = (defaults[name],)  # a space written before the knob existed: it stays off
                 continue
             items = f.get(name, list)
             if not items:
                 raise ProfileError(f"{f._where(name)}: the list is empty")
-            least = 0 if name in SWITCHES else 1
+            least = 0 if name in config_type.SWITCHES else 1
             for item in items:
                 if isinstance(item, bool) or not isinstance(item, int) or item < least:
                     raise ProfileError(f"{f._where(name)}: expected {'ints >= 0' if least == 0 else 'positive ints'}, "

@@ -31,7 +31,7 @@ from bole_tune.config import CommitConfig, KernelConfig, default_commit_config, 
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.kernels import PLANNER
 from bole_tune.runners import DeviceLost, Measurement
-from bole_tune.search_space import SWITCHES, SearchSpace, feasible
+from bole_tune.search_space import SearchSpace, feasible
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -349,10 +349,10 @@ def _ranked_configs(study, config_type: type = KernelConfig) -> list:
 
 
 def switch_twins(config, space: SearchSpace) -> list:
-    """``config`` with one of the space's on/off knobs (`search_space.SWITCHES`) turned the other way, for each
-    such knob the space lets take both values."""
+    """``config`` with one of its on/off knobs (its class's ``SWITCHES``) turned the other way, for each such knob
+    the space lets take both values."""
     values = config.as_dict()
-    return [type(config)(**{**values, name: other}) for name in SWITCHES if name in values
+    return [type(config)(**{**values, name: other}) for name in type(config).SWITCHES
             for other in space.values.get(name, ()) if other != values[name]]
 
 

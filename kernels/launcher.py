@@ -8,8 +8,8 @@ each specialisation it has seen and later calls its C launcher directly, on one 
 
 - `FastLauncher.__call__`: a tuple of what Triton specialises on, taken from the arguments themselves (each
   specialised integer's value, each tensor's dtype and 16-byte alignment, each host tensor descriptor's dtype and
-  block, the 32/64-bit range of the integers Triton does not specialise, and the launch's constants and options), so a call that Triton would compile differently
-  never reuses another call's binary. Building it costs about as much as Triton's binder.
+  block, the 32/64-bit range of the integers Triton does not specialise, and the launch's constants and options),
+  so a call that Triton would compile differently never reuses another call's binary. Building it costs about as much as Triton's binder.
 - `FastLauncher.launch_keyed`: a key the caller builds from what it knows (the verify and the commit: their launch
   or config, sizes, dtypes, strides, and whether every tensor is 16-byte aligned; the shapes and dtypes fixed by
   their checks), with each tensor passed as its device address (the C launcher takes an int as the pointer

@@ -339,7 +339,8 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
     pointers = tuple(map(_data_ptr, tensors))
     tma = bool(config.tma) and tma_state_loads(states, config)
-    # the descriptor is built per launch (about 2 us of host time): caching it would keep an engine's pool alive
+    # built per launch and encoded by Triton's launcher each time (with the encoding, 18 us more host time a call than
+    # a pointer launch on the H200's host: BENCHMARKS.md, "Fifteenth session"); kept, it would keep the pool alive
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
