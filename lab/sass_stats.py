@@ -6,6 +6,7 @@ and ptxas, read back with the cuobjdump and nvdisasm Triton ships.
     python3 lab/sass_stats.py --batch 16 --tree-size 4 --kind chain [--fold] [--config 32/128/2/3] [--variant stream]
     python3 lab/sass_stats.py --batch 32 --tree-size 8 --ring read     # a PendingRing's read (or write) round, R=4
     python3 lab/sass_stats.py --batch 32 --tree-size 8 --ring write --tma store   # with tma_state.py's patch
+    python3 lab/sass_stats.py --batch 32 --tree-size 8 --stack 0       # q and k on two tiles (trees of <= 8 nodes)
 
 Static counts only: what an instruction costs on the GPU is measured there.
 """
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rows-first", type=int, choices=(0, 1), help="override run.ROWS_FIRST for this launch")
     parser.add_argument("--ring", choices=("read", "write"), help="a PendingRing's round (R = 4) instead")
+    parser.add_argument("--stack", type=int, choices=(0, 1), help="override the launch's stacked rows (stack_qk)")
     parser.add_argument("--tma", choices=("load", "store", "both"),
                         help="the resident kernel patched by `tma_state.MODES` (state tiles moved by TMA)")
     args = parser.parse_args()
@@ -86,6 +88,8 @@ def main() -> None:
     bench = CaseBench(case, "cpu")
     config = KernelConfig(*map(int, args.config.split("/"))) if args.config else None
     launch = bench.launch(config=config, variant=args.variant, fold=args.fold or args.ring == "write")
+    if args.stack is not None:
+        launch = launch.replace(stack_qk=bool(args.stack))
     captured = {}
     if args.rows_first is not None:
         run_module.ROWS_FIRST["fold" if args.fold else "verify"] = bool(args.rows_first)
@@ -133,7 +137,7 @@ def main() -> None:
         meta["s_desc"] = TensorDescriptor(state, [state.numel() // dk, dk], [dk, 1], [meta["B_V"], meta["B_K"]])
     compiled = compile_for_h200(fn, call_args, meta)
     report = sass_report(compiled)
-    print(f"{launch.variant} {launch.config} fold={args.fold} ring={args.ring} tma={args.tma} grid={captured['grid']} registers={report['registers']} "
+    print(f"{launch.variant} {launch.config} stack={launch.stack_qk} fold={args.fold} ring={args.ring} tma={args.tma} grid={captured['grid']} registers={report['registers']} "
           f"stack={report['stack']} local={report['local']} shared={report['shared']} "
           f"instructions={report['instructions']}")
     print(" ".join(f"{k}:{v}" for k, v in list(report["ops"].items())[:args.top]))

@@ -26,6 +26,10 @@ CASES = {
     # b_k = dk = 32), and in key steps of 16 over two programs per head
     "stream-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random"),
     "stream-key-steps-bf16-trees": ("stream", BF16, [[9, 20], [17, 5, 3], [4, 4]], "random", KernelConfig(16, 16, 4, 1)),
+    # trees of at most 8 nodes: the stream launch on stacked rows (q and k in one 16-row tile)
+    "stream-stacked-bf16-trees": ("stream", BF16, [[8, 3], [5, 2, 7], [4, 4], [1, 6]], "random"),
+    "stream-stacked-key-steps-fp32-chains": ("stream", F32, [[8, 3, 1], [4, 8], [2, 6]], "chain",
+                                             KernelConfig(16, 16, 4, 1)),
 }
 
 
@@ -77,7 +81,7 @@ def test_folded_commit_over_rounds_matches_the_recurrence(device, case, monkeypa
     assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
 
 
-@pytest.mark.parametrize("case", ["stream-bf16-trees", "stream-key-steps-bf16-trees"])
+@pytest.mark.parametrize("case", ["stream-bf16-trees", "stream-key-steps-bf16-trees", "stream-stacked-bf16-trees"])
 @pytest.mark.parametrize("verify_rows_first,fold_rows_first", [(True, False), (False, False)])
 def test_stream_orders_over_rounds_match_the_recurrence(device, case, verify_rows_first, fold_rows_first, monkeypatch):
     """The stream launch's state products in either order (`run.ROWS_FIRST`; the shipped choice, the verify's

@@ -222,9 +222,27 @@ def test_a_given_launch_runs_as_given_and_a_wrong_one_is_refused(device):
         for _ in range(2):  # a refused launch is never remembered: refused again
             with pytest.raises((ValueError, TypeError), match=message):
                 tree_verify(*x.args(tree), launch=bad)
+    stacked = launch.replace(variant="stream", v_split=2, stack_qk=True)  # stacked rows: at most 8 of 16 rows
+    with pytest.raises(ValueError, match="launch.stack_qk: stacked rows need"):
+        tree_verify(*x.args(tree), launch=stacked)
+    with pytest.raises(ValueError, match="launch.stack_qk: stacked rows need"):
+        tree_verify(*x.args(tree), launch=launch.replace(stack_qk=True))
     with pytest.raises(ValueError, match="either a launch or config"):
         tree_verify(*x.args(tree), launch=launch, config=CONFIG)
     deep = make_tree([14], "chain", device=device)
     y = make_inputs(deep, 1, 2, 32, 32, BF16, device)
     with pytest.raises(ValueError, match="launch.sweep_f16"):
         tree_verify(*y.args(deep), launch=launch.replace(node_block=16, v_split=1))
+
+
+@pytest.mark.parametrize("size,variant,stacked", [(8, "stream", True), (4, "stream", True), (1, "stream", True),
+                                                  (9, "stream", False), (8, "resident", False), (8, "fused", False)])
+def test_stacked_rows_for_stream_launches_of_small_trees(size, variant, stacked):
+    """Trees of at most 8 nodes (half the 16-row node block) run a "stream" launch on stacked rows; a policy with
+    ``stack_max_tree = 0`` never does."""
+    launch = PLANNER.plan(HEADS, BF16, num_requests=2, max_tree_size=size, depth=size - 1, device="cpu",
+                          config=CONFIG, variant=variant)
+    assert launch.stack_qk is stacked and launch.node_block == (16 if size <= 16 else 32)
+    never = Planner(dataclasses.replace(H200_POLICY, stack_max_tree=0))
+    assert not never.plan(HEADS, BF16, num_requests=2, max_tree_size=size, depth=size - 1, device="cpu",
+                          config=CONFIG, variant=variant).stack_qk

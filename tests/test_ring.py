@@ -20,9 +20,12 @@ F32, BF16 = torch.float32, torch.bfloat16
 NUM_SLOTS = 8
 HEADS = HeadShape(hk=2, hv=4, dk=32, dv=32)
 
-# id -> (variant, dtype, rounds R, tree kind, rounds to run[, config])
+# id -> (variant, dtype, rounds R, tree kind, rounds to run[, config[, largest tree]])
 CASES = {
     "stream-bf16-chains-R3": ("stream", BF16, 3, "chain", 8),
+    # trees of at most 8 nodes: the stream launch on stacked rows (`LaunchPolicy.stack_max_tree`)
+    "stream-stacked-bf16-chains-R2": ("stream", BF16, 2, "chain", 6, None, 8),
+    "stream-stacked-key-steps-fp32-trees-R3": ("stream", F32, 3, "random", 7, KernelConfig(16, 16, 4, 1), 8),
     "stream-key-steps-bf16-trees-R2": ("stream", BF16, 2, "random", 6, KernelConfig(16, 16, 4, 1)),
     "resident-fp32-trees-R3": ("resident", F32, 3, "random", 7),
     "fused-fp32-trees-R2": ("fused", F32, 2, "random", 6),
@@ -31,10 +34,10 @@ CASES = {
 }
 
 
-def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, seed=3, force=()):
+def run_rounds(device, variant, dtype, rounds, kind, num_rounds, config=None, max_size=None, seed=3, force=()):
     """``force``: the rounds that write whatever the tables hold (`PendingRing.begin(write=True)`)."""
     rng = random.Random(seed)
-    max_size = 70 if variant == "fused" and kind == "chain" and dtype == BF16 else 12
+    max_size = max_size or (70 if variant == "fused" and kind == "chain" and dtype == BF16 else 12)
     max_path = 8 if kind == "random" else max_size
     ring = PendingRing(NUM_SLOTS, rounds, max_path, capacity=4 * max_size, max_requests=4, device=device)
     arena = ring.results(HEADS, dtype)
@@ -92,7 +95,7 @@ def test_ring_over_rounds_matches_the_recurrence(device, case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["stream-bf16-chains-R3", "stream-key-steps-bf16-trees-R2", "stream-fp32-chains-R1",
-                                  "fused-bf16-multi-block-R2"])
+                                  "stream-stacked-bf16-chains-R2", "fused-bf16-multi-block-R2"])
 @pytest.mark.parametrize("precision,before", [("tf32x3", False), (None, True)])
 def test_read_round_corrections_other_placements_and_precisions(device, case, precision, before, monkeypatch):
     """The read round's other settings (`run.CORRECT_BEFORE_STREAM`: the corrections start the products and the

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bole_tune import KernelConfig, TreeBatch
-from bole_tune.kernels import Launch, serial_verify, tree_commit, tree_verify
+from bole_tune.kernels import PLANNER, Launch, serial_verify, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
 from bole_tune.kernels.verify.planner import H200_POLICY
 from bole_tune.kernels.verify.result import VerifyShape, result_buffers
@@ -155,6 +155,31 @@ def test_resident_value_split_matches_reference(device, variant, v_split, b_v, b
     for name in ("u", "log_decay", "k", "k_scale"):
         assert torch.isfinite(getattr(res, name)).all(), f"{name} has unwritten entries at v_split={v_split}"
     assert torch.equal(res.k, x.k)
+
+
+@pytest.mark.parametrize("dtype,kind,l2norm", [(F32, "random", True), (BF16, "chain", True), (F16, "random", False)])
+@pytest.mark.parametrize("rows_first", [False, True])
+@pytest.mark.parametrize("config", [KernelConfig(16, 16, 2, 1), KernelConfig(32, 32, 4, 2)])
+def test_stacked_rows_match_reference_and_the_two_tile_launch(device, dtype, kind, l2norm, rows_first, config,
+                                                              monkeypatch):
+    """A stream launch on stacked rows (trees of at most 8 nodes: q and k in one 16-row tile) writes what the same
+    launch on separate q and k tiles writes (outputs, the commit's updates, logP, keys and key scales), within the
+    reference's bound; in either order of the state products and with or without the keys' L2 norm."""
+    from bole_tune.kernels.verify import run as run_module
+
+    monkeypatch.setattr(run_module, "ROWS_FIRST", {"verify": rows_first, "fold": rows_first})
+    tree = make_tree([8, 3, 1, 6], kind, seed=31, device=device)
+    x = make_inputs(tree, 2, 4, 32, 32, dtype, device, seed=31)
+    ref = verify_reference(*x.args(tree), use_qk_l2norm=l2norm)
+    launch = PLANNER.plan(HeadShape(hk=2, hv=4, dk=32, dv=32), dtype, num_requests=4, max_tree_size=8,
+                          depth=tree.depth, device=device, config=config, variant="stream", use_qk_l2norm=l2norm)
+    assert launch.stack_qk and launch.node_block == 16
+    stacked = tree_verify(*x.args(tree), launch=launch, use_qk_l2norm=l2norm, out=poisoned_out(x, tree))
+    apart = tree_verify(*x.args(tree), launch=launch.replace(stack_qk=False), use_qk_l2norm=l2norm)
+    assert_close(stacked.o, ref.o, TOLERANCE[dtype], "o")
+    for name in ("o", "u", "log_decay", "k", "k_scale"):
+        assert_close(getattr(stacked, name), getattr(apart, name), 1e-5, name)
+    assert torch.equal(stacked.k, x.k)
 
 
 @pytest.mark.parametrize("v_split", [3, 0, 4, True, 2.0])

@@ -284,3 +284,48 @@ def pending_corrections(b_qs, b_ks, q_ptr, k_ptr, rows, m_i, i_hk, stride_q_n, s
     b_qs = decay_p * b_qs + tl.dot(b_qp, b_up, input_precision=DOT)
     b_ks = decay_p * b_ks + tl.dot(b_kq, b_up, input_precision=DOT)
     return b_qs, b_ks
+
+
+@triton.jit
+def stacked_rows(q_ptr, k_ptr, rows, m_i, is_k, o_k, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h):
+    """``[B_T, len(o_k)]``: the rows' q on the top half of the tile and their k on the bottom half (``is_k``), the
+    stacked tile of a ``STACK`` launch (trees of at most ``B_T / 2`` nodes; docs/math.md §3, "Stacked rows")."""
+    b_q = tl.load(q_ptr + rows[:, None] * stride_q_n + i_hk * stride_q_h + o_k[None, :], mask=(m_i & ~is_k)[:, None],
+                  other=0)
+    b_k = tl.load(k_ptr + rows[:, None] * stride_k_n + i_hk * stride_k_h + o_k[None, :], mask=(m_i & is_k)[:, None],
+                  other=0)
+    return tl.where(is_k[:, None], b_k, b_q)
+
+
+@triton.jit
+def stacked_chunk_gram(q_ptr, k_ptr, k_out_ptr, rows, m_i, is_k, o_k, i_hk, write_keys,
+                       stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_xx, ssq,
+                       D_K: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       GRAM_DTYPE: tl.constexpr):
+    """`qk_chunk_gram` on the stacked tile ``X = [Q; K]`` (`stacked_rows`): one Gram product ``X X^T`` holds
+    ``Q K^T`` (top right) and ``K K^T`` (bottom right), one sum of squares every row's norm. Returns the chunk,
+    the Gram product and the sums of squares."""
+    b_x = stacked_rows(q_ptr, k_ptr, rows, m_i, is_k, o_k, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h)
+    b_xg = b_x.to(GRAM_DTYPE)
+    b_xx = tl.dot(b_xg, tl.trans(b_xg), b_xx, input_precision=DOT_PRECISION)
+    if USE_QK_L2NORM:
+        ssq += tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), axis=1)
+    tl.store(k_out_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], b_x,
+             mask=(m_i & is_k)[:, None] & write_keys)
+    return b_x, b_xx, ssq
+
+
+@triton.jit
+def stacked_corrections(b_zs, q_ptr, k_ptr, rows, m_i, is_k, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                        rows_p, m_p, weight_p, decay_p, o_v, i_h, u_ptr, kp_ptr, H_V, H_K,
+                        D_K: tl.constexpr, D_V: tl.constexpr, GRAM_DTYPE: tl.constexpr, GRAM_DOT: tl.constexpr,
+                        DOT: tl.constexpr):
+    """`pending_corrections` on the stacked products ``X S^T`` (``[B_T, b_v]``): one ``X Kp^T`` and one product
+    with the pending updates instead of two of each."""
+    b_x = stacked_rows(q_ptr, k_ptr, rows, m_i, is_k, tl.arange(0, D_K), i_hk, stride_q_n, stride_q_h, stride_k_n,
+                       stride_k_h)
+    b_kp = tl.load(kp_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + tl.arange(0, D_K)[None, :],
+                   mask=m_p[:, None], other=0).to(GRAM_DTYPE)
+    b_xp = tl.dot(b_x.to(GRAM_DTYPE), tl.trans(b_kp), input_precision=GRAM_DOT)
+    b_up = tl.load(u_ptr + rows_p[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :], mask=m_p[:, None], other=0)
+    return decay_p * b_zs + tl.dot(b_xp, b_up * weight_p[:, None], input_precision=DOT)

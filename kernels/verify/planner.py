@@ -72,6 +72,9 @@ class LaunchPolicy:
         (`lab/state_first.py`); at T=64 it is slower (92 against 57 us). Only where the bucket's config was tuned on
         it or is given: an untuned bucket keeps the resident kernel (the default config's narrow value tiles would
         repeat the factors over four programs per head).
+    stack_max_tree: trees of at most this many nodes (at most half the node block) run a "stream" launch on stacked
+        rows (``STACK``: q and k of each node in one ``B_T``-row tile, so every product of the launch is one product,
+        not two; docs/math.md §3, "Stacked rows"); 0 never.
     sweep_f16_max_depth, sweep_f16_max_scale: the resident kernel's level sweeps run on fp16 tensor
         cores for 16-bit inputs with L2-normalised keys, trees at most this deep (partial sums stay
         below 2^(depth - 1) = 2048) and q scales at most this large (5-8% faster at T=64).
@@ -86,6 +89,7 @@ class LaunchPolicy:
     state_split_min_block: int = 64
     stream_min_heads: int = 512
     stream_max_tree: int = 16
+    stack_max_tree: int = 8
     sweep_f16_max_depth: int = 12
     sweep_f16_max_scale: float = 256.0
 
@@ -107,6 +111,10 @@ class LaunchPolicy:
         config's narrow value tiles would repeat the factors over several programs per head)."""
         variant = self.variant(num_requests, hv, max_tree_size)
         return "resident" if variant == "stream" else variant
+
+    def stack(self, variant: str, max_tree_size: int, block: int) -> bool:
+        """Whether a launch runs on stacked rows: a "stream" launch whose trees fill at most half its node block."""
+        return variant == "stream" and 2 * max_tree_size <= block and max_tree_size <= self.stack_max_tree
 
     def value_split(self, num_requests: int, hv: int, dv: int, b_v: int) -> int:
         """Programs sharing one head's value rows in the resident kernel: 1 at large batches, up to
@@ -141,7 +149,8 @@ class Launch:
 
     variant: "fused", "resident" or "stream" (`VARIANTS`); config: its tiles; node_block: rows solved together
     (``B_T``); v_split: the resident kernel's programs per head (1 for the fused kernel, ``dv / b_v`` for "stream");
-    state_split, sweep_f16: the resident kernel's precision switches (False for the fused kernel); fallback: why a resident
+    state_split, sweep_f16: the resident kernel's precision switches (False for the fused kernel); stack_qk: a "stream"
+    launch on stacked rows (`LaunchPolicy.stack_max_tree`); fallback: why a resident
     launch was moved to the fused kernel ("" if it was not), with the self-check's error if it failed.
     """
 
@@ -151,6 +160,7 @@ class Launch:
     v_split: int = 1
     state_split: bool = False
     sweep_f16: bool = False
+    stack_qk: bool = False
     fallback: str = ""
     fallback_error: float | None = None
 
@@ -282,7 +292,8 @@ class Planner:
         launch = Launch(variant, config, block,
                         v_split=v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v),
                         state_split=self.policy.state_split(dtype, block),
-                        sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale))
+                        sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale),
+                        stack_qk=self.policy.stack(variant, max_tree_size, block))
         if not check:
             return launch
         return self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
@@ -334,6 +345,10 @@ class Planner:
         if launch.node_block != block:
             raise ValueError(f"launch.node_block: {launch.node_block}, but a batch whose largest tree has "
                              f"{max_tree_size} nodes is solved in blocks of {block}")
+        if launch.stack_qk and (launch.variant != "stream" or launch.state_split or 2 * max_tree_size > block):
+            raise ValueError("launch.stack_qk: stacked rows need a 'stream' launch without the state split on trees "
+                             f"of at most half its node block ({block // 2} nodes; got variant {launch.variant!r}, "
+                             f"state_split={launch.state_split}, a tree of {max_tree_size})")
         if launch.variant == "fused":
             if launch.v_split != 1 or launch.state_split or launch.sweep_f16:
                 raise ValueError("launch: the fused kernel has no value split, state split or fp16 sweeps "
@@ -365,7 +380,7 @@ class Planner:
         if launch.variant == "fused" or device.type != "cuda" or self.self_check is None:
             return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
         key = (launch.variant, launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16,
-               heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
+               launch.stack_qk, heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
         result = self.checks.get(key)
         if result is None:
             if torch.cuda.is_current_stream_capturing():

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, pending_corrections, pending_tokens,
-                     qk_chunk_gram, solve_factors, state_products, state_products_rows_first)
+                     qk_chunk_gram, solve_factors, stacked_chunk_gram, stacked_corrections, state_products,
+                     state_products_rows_first)
 
 RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
@@ -69,7 +70,7 @@ def tree_verify_resident_kernel(
     STATE_SPLIT: tl.constexpr = False, SWEEP_F16: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
     FOLD: tl.constexpr = False, B_P: tl.constexpr = 16, FOLD_DOT: tl.constexpr = "ieee",
     ROWS_FIRST: tl.constexpr = False, RING: tl.constexpr = False, CORRECT: tl.constexpr = False,
-    CORRECT_FIRST: tl.constexpr = False, STATE_HINT: tl.constexpr = "",
+    CORRECT_FIRST: tl.constexpr = False, STATE_HINT: tl.constexpr = "", STACK: tl.constexpr = False,
 ):
     # program (V_SPLIT * head + part, request): part streams rows [part, part + 1) * D_V / V_SPLIT
     i_h = tl.program_id(0).to(tl.int64) // V_SPLIT
@@ -84,8 +85,14 @@ def tree_verify_resident_kernel(
     write_keys = (i_h % (H_V // H_K) == 0) & (i_part == 0)
 
     o_i = tl.arange(0, B_T)
-    m_i = o_i < num_nodes
-    rows = bos + o_i
+    if STACK:  # row r holds node r % (B_T / 2): its q on the top half of the tile, its k on the bottom half
+        tl.static_assert(STATE_FIRST and not STATE_SPLIT, "STACK: the state-first order without the state split")
+        is_k = o_i >= B_T // 2
+        node_i = o_i % (B_T // 2)
+    else:
+        node_i = o_i
+    m_i = node_i < num_nodes
+    rows = bos + node_i
     enter_i = tl.load(dfs_enter_ptr + rows, mask=m_i, other=-1)
     exit_i = tl.load(dfs_exit_ptr + rows, mask=m_i, other=-2)
     b_beta = tl.load(beta_ptr + rows * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(tl.float32)
@@ -102,7 +109,52 @@ def tree_verify_resident_kernel(
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)
     ssq_k = tl.zeros([B_T], dtype=tl.float32)
-    if STATE_FIRST:
+    if STACK:
+        # trees of at most B_T / 2 nodes (docs/math.md §3, "Stacked rows"): X = [Q; K] in one B_T-row tile, so the
+        # state products, the Gram products, the corrections and the readout are one product each, not two
+        o_v = i_part * B_V + tl.arange(0, B_V)
+        if ROWS_FIRST:
+            b_zs = tl.zeros([B_V, B_T], dtype=tl.float32)
+        else:
+            b_zs = tl.zeros([B_T, B_V], dtype=tl.float32)
+        b_xx = tl.zeros([B_T, B_T], dtype=tl.float32)
+        ssq_x = tl.zeros([B_T], dtype=tl.float32)
+        if FOLD and not CORRECT:
+            b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
+        if CORRECT and CORRECT_FIRST:
+            b_zs = stacked_corrections(
+                b_zs, q_ptr, k_ptr, rows, m_i, is_k, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
+        for i_k in range(0, D_K, B_K):
+            o_k = i_k + tl.arange(0, B_K)
+            b_s = tl.load(p_state + o_v[:, None] * stride_s_v + o_k[None, :], eviction_policy=STATE_HINT)
+            if CORRECT and CORRECT_FIRST:
+                b_s = decay_p * b_s
+            b_x, b_xx, ssq_x = stacked_chunk_gram(
+                q_ptr, k_ptr, k_out_ptr, rows, m_i, is_k, o_k, i_hk, write_keys,
+                stride_q_n, stride_q_h, stride_k_n, stride_k_h, H_K, b_xx, ssq_x,
+                D_K, USE_QK_L2NORM, DOT_PRECISION, GRAM_DTYPE)
+            if FOLD and not CORRECT:
+                b_s = fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, fold_k_ptr, H_K, D_K, FOLD_DOT)
+                tl.store(p_state + o_v[:, None] * stride_s_v + o_k[None, :], b_s, mask=pending)
+            if ROWS_FIRST:
+                b_zs = tl.dot(b_s, tl.trans(b_x.to(tl.float32)), b_zs, input_precision=DOT_PRECISION)
+            else:
+                b_zs = tl.dot(b_x.to(tl.float32), tl.trans(b_s), b_zs, input_precision=DOT_PRECISION)
+        if CORRECT and not CORRECT_FIRST:
+            b_zs = stacked_corrections(
+                b_zs, q_ptr, k_ptr, rows, m_i, is_k, i_hk, stride_q_n, stride_q_h, stride_k_n, stride_k_h,
+                rows_p, m_p, weight_p, decay_p, o_v, i_h, fold_u_ptr, fold_k_ptr, H_V, H_K, D_K, D_V,
+                GRAM_DTYPE, DOT_PRECISION, FOLD_DOT)
+        b_v = value_tile(v_ptr, rows, m_i & is_k, o_v, i_h, stride_v_n, stride_v_h, ROWS_FIRST)
+        b_am, c_x = stacked_factors(
+            b_xx, ssq_x, is_k, enter_i, exit_i, b_beta, b_g, tl.load(block_depth_ptr + i_r), scale,
+            logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
+            B_T, USE_QK_L2NORM, DOT_PRECISION, SWEEP_F16)
+        stacked_readout(b_zs, c_x, is_k, b_am, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V, DOT_PRECISION,
+                        ROWS_FIRST)
+    elif STATE_FIRST:
         # one value tile per program (B_V = D_V / V_SPLIT): S_pre's stream starts at once, the Gram products ride
         # along in the same key steps (q and k read once), and the factors follow the stream
         # (ROWS_FIRST: the products as ``S Q^T``, ``[b_v, B_T]`` tiles, the state tile the left operand)
@@ -262,3 +314,64 @@ def readout_rows_first(b_qs, b_ks, a_q, a_k, b_w, b_m, b_v, u_ptr, o_ptr, rows, 
     tl.store(u_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None], b_u, mask=m_i[None, :])
     tl.store(o_ptr + rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None],
              b_o.to(o_ptr.dtype.element_ty), mask=m_i[None, :])
+
+
+@triton.jit
+def stacked_factors(b_xx, ssq, is_k, enter_i, exit_i, b_beta, b_g, num_sweeps, scale,
+                    logp_ptr, k_scale_ptr, rows, m_i, i_h, i_hk, i_part, write_keys, H_V, H_K,
+                    B_T: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SWEEP_F16: tl.constexpr):
+    """`head_factors` on stacked rows (``STACK``; docs/math.md §3, "Stacked rows"): from the Gram product ``X X^T``
+    of ``X = [Q; K]``, the one readout matrix ``A = [[M], [W]]`` (``M`` on the q rows, ``W`` on the k rows, both in
+    the k columns) with ``[O; U] = A [0; R'] + [a_q Q S^T; 0]``, and the row factors ``c`` (``a_q`` on the q rows,
+    ``-a_k`` on the k rows). ``G`` lives on the k rows' block and ``C`` on the q rows' k columns, so with ``X = (I +
+    G)^-1`` (identity on the q rows) the q rows of ``C X D_beta`` are ``M`` and the k rows of ``X D_beta`` are ``W``.
+    Stores logP and the key scales as `head_factors`. Returns (A, c)."""
+    o_i = tl.arange(0, B_T)
+    if USE_QK_L2NORM:
+        r_x = tl.where(is_k, 1.0, scale) / tl.sqrt(ssq + 1e-6)
+    else:
+        r_x = tl.where(is_k, 1.0, scale)
+    m_anc = ancestry(enter_i, enter_i, exit_i) & is_k[None, :]  # node j is i or an ancestor, read in the k columns
+    b_logp = tl.sum(tl.where(m_anc, b_g[None, :], 0.0), axis=1)
+    decay = tl.exp(tl.where(m_anc, b_logp[:, None] - b_logp[None, :], float("-inf")))
+    b_f = r_x[:, None] * decay * r_x[None, :] * b_xx
+    eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    b_gm = tl.where(is_k[:, None] & (o_i[:, None] != o_i[None, :]), b_beta[:, None] * b_f, 0.0)
+    b_x = eye
+    if SWEEP_F16:  # head_factors' fp16 sweeps on the same entries
+        b_g16 = b_gm.to(tl.float16)
+        for _ in range(0, num_sweeps):
+            b_x = eye - tl.dot(b_g16, b_x.to(tl.float16))
+        b_m = tl.dot(b_f.to(tl.float16), b_x.to(tl.float16))
+    else:
+        for _ in range(0, num_sweeps):
+            b_x = eye - tl.dot(b_gm, b_x, input_precision=DOT_PRECISION)
+        b_m = tl.dot(b_f, b_x, input_precision=DOT_PRECISION)
+    # the q rows of b_f are C (its k rows, discarded here, G without beta); the k rows of X are the solved rows
+    b_am = tl.where(is_k[:, None], b_x, b_m) * b_beta[None, :]
+    tl.store(logp_ptr + rows * H_V + i_h, b_logp, mask=m_i & is_k & (i_part == 0))
+    tl.store(k_scale_ptr + rows * H_K + i_hk, r_x, mask=m_i & is_k & write_keys)
+    return b_am, tl.where(is_k, -1.0, 1.0) * tl.exp(b_logp) * r_x
+
+
+@triton.jit
+def stacked_readout(b_zs, c_x, is_k, b_am, b_v, u_ptr, o_ptr, rows, m_i, o_v, i_h, H_V, D_V: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """`readout` on stacked rows: ``R' = V - a_k (K S^T)`` on the k rows, then ``[O; U] = A [0; R'] + [a_q Q S^T; 0]``
+    in one product (``a_q Q S^T`` its exact fp32 accumulator), O stored from the q rows and U from the k rows
+    (``ROWS_FIRST``: every tile transposed, ``b_zs`` ``[b_v, B_T]``)."""
+    if ROWS_FIRST:
+        b_zc = b_zs * c_x[None, :]
+        b_r = tl.where(is_k[None, :], b_v.to(tl.float32) + b_zc, 0.0)
+        b_out = tl.dot(b_r, tl.trans(b_am), tl.where(is_k[None, :], 0.0, b_zc), input_precision=DOT_PRECISION)
+        p_out = rows[None, :] * (H_V * D_V) + i_h * D_V + o_v[:, None]
+        tl.store(u_ptr + p_out, b_out, mask=(m_i & is_k)[None, :])
+        tl.store(o_ptr + p_out, b_out.to(o_ptr.dtype.element_ty), mask=(m_i & ~is_k)[None, :])
+    else:
+        b_zc = c_x[:, None] * b_zs
+        b_r = tl.where(is_k[:, None], b_v.to(tl.float32) + b_zc, 0.0)
+        b_out = tl.dot(b_am, b_r, tl.where(is_k[:, None], 0.0, b_zc), input_precision=DOT_PRECISION)
+        p_out = rows[:, None] * (H_V * D_V) + i_h * D_V + o_v[None, :]
+        tl.store(u_ptr + p_out, b_out, mask=(m_i & is_k)[:, None])
+        tl.store(o_ptr + p_out, b_out.to(o_ptr.dtype.element_ty), mask=(m_i & ~is_k)[:, None])

@@ -147,7 +147,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         if resident:
             extra = {"V_SPLIT": launch.v_split, "STATE_SPLIT": launch.state_split, "SWEEP_F16": launch.sweep_f16,
                      "STATE_FIRST": launch.variant == "stream", "ROWS_FIRST": rows_first,
-                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM, "STATE_HINT": state_hint}
+                     "CORRECT_FIRST": correct and CORRECT_BEFORE_STREAM, "STATE_HINT": state_hint,
+                     "STACK": launch.stack_qk}
         else:
             extra = {"STATE_HINT": state_hint}
         if pending is None and ring is None:

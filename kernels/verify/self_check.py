@@ -29,9 +29,10 @@ def accepted_error(dtype: torch.dtype) -> float:
 
 def check_resident(launch: Launch, heads: HeadShape, dtype: torch.dtype, gate_dtype: torch.dtype, scale: float,
                    use_qk_l2norm: bool, device: torch.device, deep: bool) -> tuple[float, float]:
-    """(relative error, allowed error) of ``launch`` on one random request of ``launch.node_block`` nodes
-    (a chain when ``deep``) with this head shape, dtypes and scale: the specialisation it vouches for."""
-    tree = make_tree([launch.node_block], kind="chain" if deep else "random", seed=CHECK_SEED, device=device)
+    """(relative error, allowed error) of ``launch`` on one random request of ``launch.node_block`` nodes (half
+    that on stacked rows; a chain when ``deep``) with this head shape, dtypes and scale: the specialisation it vouches for."""
+    size = launch.node_block // 2 if launch.stack_qk else launch.node_block  # stacked rows: half the block
+    tree = make_tree([size], kind="chain" if deep else "random", seed=CHECK_SEED, device=device)
     x = make_inputs(tree, heads.hk, heads.hv, heads.dk, heads.dv, dtype, device, gate_dtype=gate_dtype,
                     seed=CHECK_SEED)
     shape = VerifyShape(heads=heads, num_nodes=tree.num_nodes, num_requests=1, num_slots=x.state.shape[0],
