@@ -95,7 +95,7 @@ def cmd_env(args) -> int:
     return 0
 
 
-def _plan(args, runner_kind: str, commit: bool = False, fold: bool = False):
+def _plan(args, runner_kind: str, commit: bool = False, fold: bool = False, ring: bool = False):
     """`profile`'s or `tune`'s plan and search space (``commit``: the commit's only, for ``tune --commit``);
     output paths, --trials and --workers checked first."""
     from bole_tune.profiler import make_plan, plan_keys
@@ -105,7 +105,7 @@ def _plan(args, runner_kind: str, commit: bool = False, fold: bool = False):
     _call(check_outputs, args, db_dir=True, record=False)
     plan = _call(make_plan, args.model, args.dtype, args.tp, args.quick, args.batch, args.tree_size, args.trials,
                  args.repeats, getattr(args, "curve_batch", None), getattr(args, "curve_tree_size", None),
-                 serial=not getattr(args, "no_serial", False), commit=commit, fold=fold)
+                 serial=not getattr(args, "no_serial", False), commit=commit, fold=fold, ring=ring)
     if commit:
         if args.workers is not None:
             raise UsageError("--workers: the commit is tuned in this process (its studies take seconds); "
@@ -156,9 +156,10 @@ def cmd_tune(args) -> int:
     from bole_tune.profiler import exhaustive, tune, tune_commit
     from bole_tune.runners import GPURunner, RecordingRunner, ReplayRunner
 
-    if args.fold and args.commit:
-        raise UsageError("--fold: tunes the folded verify; --commit the commit: give one of them")
-    plan, space = _plan(args, "replay" if args.replay else "gpu", commit=args.commit, fold=args.fold)
+    if args.fold + args.commit + args.ring > 1:
+        raise UsageError("--fold, --ring, --commit: each tunes another launch (the folded verify, a ring's write "
+                         "round, the commit): give one of them")
+    plan, space = _plan(args, "replay" if args.replay else "gpu", commit=args.commit, fold=args.fold, ring=args.ring)
     if args.record and not args.exhaustive:
         raise UsageError("--record: only with --exhaustive (tuning workers record into the Optuna storage)")
     if args.replay:
@@ -171,7 +172,8 @@ def cmd_tune(args) -> int:
         runner = RecordingRunner(runner, args.record)
     db_path = _call(database.database_path, runner.fingerprint().slug, args.db_dir)
     what = ("the commit (tree_commit, tree_commit_layers)" if args.commit
-            else "the folded verify (tree_verify with pending=)" if args.fold else "tree_verify")
+            else "the folded verify (tree_verify with pending=)" if args.fold
+            else "a ring's write round (tree_verify with ring=, R rounds folded in)" if args.ring else "tree_verify")
     console.print(f"[bold]bole-tune tune[/] {what} with {runner.name} -> {db_path}")
     with render.progress_bar(console) as bar:
         if args.exhaustive:
@@ -232,14 +234,16 @@ def cmd_lookup(args) -> int:
         raise UsageError(f"--hv {args.hv} must be a multiple of --hk {args.hk}")
     if args.layers is not None and not args.commit:
         raise UsageError("--layers: only with --commit (the layers one commit launch covers)")
-    if args.fold and args.commit:
-        raise UsageError("--fold: the folded verify's config; --commit the commit's: give one of them")
+    if args.fold + args.commit + args.ring > 1:
+        raise UsageError("--fold, --ring, --commit: the folded verify's, a ring write's or the commit's config: "
+                         "give one of them")
     slug = args.gpu or fingerprint().slug
     try:
         heads = HeadShape(hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv).per_rank(args.tp)
     except ValueError as error:
         raise UsageError(f"--tp: {str(error).removeprefix('tp: ')}") from None
-    key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp, fold=args.fold)
+    key = database.ShapeKey.bucketed(heads, args.dtype, args.tree_size, args.batch, args.tp, fold=args.fold,
+                                     ring=args.ring)
     mode = args.policy or _call(policy)
     if args.commit:
         commit_key = database.CommitKey(shape=key, layers=args.layers or 1)
@@ -378,7 +382,7 @@ COMMANDS = {
              "Run the Optuna studies only. --exhaustive measures every config instead (the yardstick); --record "
              "FILE saves every measurement; --replay FILE runs the tuner on recorded measurements (no GPU needed). "
              "--commit tunes the commit's launches instead of tree_verify's; --fold the folded verify's "
-             "(tree_verify with pending=).",
+             "(tree_verify with pending=); --ring a PendingRing's write round.",
              {**TUNING, "--exhaustive": {**FLAG, "help": "measure every config of the search space"},
               "--record": {"type": Path, "help": "write every measurement to this JSON file"},
               "--replay": {"type": Path, "help": "answer from a recording instead of the GPU"},
@@ -387,7 +391,10 @@ COMMANDS = {
                                            "model's GDN layers) instead of tree_verify, in this process; --trials "
                                            "counts commit trials (default 24, 12 with --quick)"},
               "--fold": {**FLAG, "help": "tune the folded verify (tree_verify with pending=: the previous round's "
-                                         "commit in the same launch; keys end in -fold) instead of tree_verify"}}),
+                                         "commit in the same launch; keys end in -fold) instead of tree_verify"},
+              "--ring": {**FLAG, "help": "tune a PendingRing's write round (its R rounds of pending tokens folded "
+                                         "into the slots; keys end in -ring; timed with the tables full, R = "
+                                         f"{RING_ROUNDS}) instead of tree_verify"}}),
     "show": (cmd_show, "render the tuning database the runtime reads (rich tables, or --json)",
              "The tuned configs, curves and budgets of one GPU, merged from the folders the runtime reads "
              "(bole_tune.database), or of one --file.",
@@ -404,6 +411,7 @@ COMMANDS = {
                 "--policy": {"choices": ["nearest", "strict", "default"], "help": "override BOLE_TUNE_LOOKUP"},
                 "--commit": {**FLAG, "help": "the commit's config (tree_commit / tree_commit_layers) instead"},
                 "--fold": {**FLAG, "help": "the folded verify's config (tree_verify with pending=) instead"},
+                "--ring": {**FLAG, "help": "a PendingRing's write round's config instead"},
                 "--layers": {**POSITIVE, "help": "with --commit: layers one launch commits (default 1)"},
                 "--json": FLAG, "--db-dir": DB_DIR}),
     "env": (cmd_env, "fingerprint this machine's GPU (NVML matched by UUID / PCI bus id)",

@@ -84,16 +84,17 @@ class CaseBench:
         self._sets = {}
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None,
-               tuned_on: str | None = None, fold: bool = False) -> Launch:
+               tuned_on: str | None = None, fold: bool = False, ring: bool = False) -> Launch:
         """The launch `tree_verify` runs for this case: the planner's, for the full batch (``config=None``:
         the database's; ``tuned_on``: the kernel a given config was tuned on). A resident launch whose
         self-check fails comes back on the fused kernel with ``fallback`` set, as `tree_verify` would run it.
-        The reference check, on a smaller batch, runs this same launch: what is checked is what is timed."""
+        The reference check, on a smaller batch, runs this same launch: what is checked is what is timed. ``fold``:
+        the folded verify's launch; ``ring``: a `PendingRing` write round's."""
         c = self.case
         tree = self.sets(64)[0]
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
                             depth=max(tree.depth, self.reference()[0].depth), device=self.device, config=config,
-                            variant=variant, tuned_on=tuned_on, fold=fold)
+                            variant=variant, tuned_on=tuned_on, fold=fold, ring=ring)
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
@@ -143,6 +144,33 @@ class CaseBench:
                           pending=PendingCommit(paths, first))
         used = slots.long()
         return relative_error(res.o, ref.o), relative_error(pool[used], expected[used])
+
+    def ring_errors(self, read: Launch | None = None, write: Launch | None = None, rounds: int = RING_ROUNDS,
+                    steps: int | None = None) -> tuple[float, float]:
+        """A `PendingRing` of ``rounds`` rounds on the reference instance, each request accepting its deepest node
+        every round, over ``steps`` rounds (default ``rounds + 1``: at least one write round), the reads on ``read``
+        (default the verify's launch) and the writes on ``write`` (default the ring write's): (the worst relative
+        error of a round's outputs, that of the slots after a final flush), against the float64 recurrence run
+        round after round."""
+        tree, x, _ = self.reference()
+        c = self.case
+        read, write = read or self.launch(), write or self.launch(ring=True)
+        pool, truth = x.state.clone(), x.state.clone()  # truth: committed in float64 each round, kept in fp32
+        ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, tree.num_requests, pool.device)
+        arena = ring.results(c.shape, c.dtype)
+        accepted = self.deepest(tree)
+        worst = 0.0
+        for _ in range(steps or rounds + 1):
+            step = ring.begin(tree)
+            res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, x.state_indices, tree, ring=step.layer(arena),
+                              launch=write if step.write else read, validate=False)
+            ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, x.state_indices, tree)
+            worst = max(worst, relative_error(res.o, ref.o))
+            truth = ref.committed(truth, x.state_indices, tree, accepted).float()
+            ring.end(step, x.state_indices, accepted)
+        ring.flush(x.state_indices, [pool], [arena])
+        used = x.state_indices.long()
+        return worst, relative_error(pool[used], truth[used])
 
     # timing -----------------------------------------------------------------------------------
     def sets(self, most: int):
@@ -213,6 +241,38 @@ class CaseBench:
 
         return time_launches(folded, len(inputs), self.device, repeats=repeats)
 
+    def _rings(self, rounds: int, read: Launch, write: Launch, held: int) -> list:
+        """One `PendingRing` of ``rounds`` rounds (and its arena) per input set, ``held`` rounds already run on it
+        (each request accepting its deepest node: the most tokens)."""
+        tree, pool, inputs, slots = self.sets(64)
+        c, accepted = self.case, self.deepest(tree)
+        rings = []
+        for i, x in enumerate(inputs):
+            ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, c.batch, self.device)
+            arena = ring.results(c.shape, c.dtype)
+            for _ in range(held):
+                step = ring.begin(tree)
+                tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, ring=step.layer(arena),
+                            launch=write if step.write else read)
+                ring.end(step, slots[i], accepted)
+            rings.append((ring, arena))
+        return rings
+
+    def _ring_verify(self, rings, i: int, launch: Launch) -> None:
+        tree, pool, inputs, slots = self.sets(64)
+        ring, arena = rings[i]
+        x = inputs[i]
+        tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, launch=launch,
+                    ring=ring.begin(tree).layer(arena))
+
+    def time_ring_write(self, launch: Launch | None = None, rounds: int = RING_ROUNDS, repeats: int = 50) -> Timing:
+        """A `PendingRing` write round alone (``launch``, default the ring write's): the tables holding ``rounds``
+        rounds of each request's deepest path, all folded into the slots and written (what `bole-tune tune --ring`
+        times)."""
+        launch = launch or self.launch(ring=True)
+        rings = self._rings(rounds, self.launch(), launch, rounds)
+        return time_launches(lambda i: self._ring_verify(rings, i, launch), len(rings), self.device, repeats=repeats)
+
     def time_ring(self, rounds: int = RING_ROUNDS, layers: int = 1, repeats: int = 50, read_launch: Launch | None = None,
                   write_launch: Launch | None = None) -> dict[str, Timing]:
         """A `PendingRing` of ``rounds`` rounds, each request accepting its deepest node every round (the most
@@ -220,34 +280,20 @@ class CaseBench:
         round sees), ``ring_write`` the write round's verify (all ``rounds`` rounds folded in and written),
         ``ring_end`` the round's table update (once per round for every layer, shown per layer over ``layers``),
         and ``round_ring`` one layer's round over a cycle: ``((R - 1) read + write) / R + end / layers``. The read
-        rounds run ``read_launch`` (default the verify's), the write round ``write_launch`` (the folded verify's)."""
+        rounds run ``read_launch`` (default the verify's), the write round ``write_launch`` (the ring write's)."""
         tree, pool, inputs, slots = self.sets(64)
-        c, accepted = self.case, self.deepest(tree)
-        read_launch, write_launch = read_launch or self.launch(), write_launch or self.launch(fold=True)
-        rings = []
-        for i, x in enumerate(inputs):
-            ring = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, c.batch, self.device)
-            arena = ring.results(c.shape, c.dtype)
-            for _ in range(rounds - 1):
-                step = ring.begin(tree)
-                tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, ring=step.layer(arena),
-                            launch=write_launch if step.write else read_launch)
-                ring.end(step, slots[i], accepted)
-            rings.append((ring, arena))
-
-        def verify(i, launch):
-            ring, arena = rings[i]
-            x = inputs[i]
-            tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False, launch=launch,
-                        ring=ring.begin(tree).layer(arena))
-
-        read = time_launches(lambda i: verify(i, read_launch), len(inputs), self.device, repeats=repeats)
+        accepted = self.deepest(tree)
+        read_launch, write_launch = read_launch or self.launch(), write_launch or self.launch(ring=True)
+        rings = self._rings(rounds, read_launch, write_launch, rounds - 1)
+        read = time_launches(lambda i: self._ring_verify(rings, i, read_launch), len(inputs), self.device,
+                             repeats=repeats)
         steps = [ring.begin(tree) for ring, _ in rings]
         end = time_launches(lambda i: rings[i][0].end(steps[i], slots[i], accepted, validate=False), len(inputs),
                             self.device, repeats=repeats)
         for (ring, _), step in zip(rings, steps):  # the tables now hold R rounds: the next round writes
             ring.held, ring.rounds_begun = rounds, step.position + 1
-        write = time_launches(lambda i: verify(i, write_launch), len(inputs), self.device, repeats=repeats)
+        write = time_launches(lambda i: self._ring_verify(rings, i, write_launch), len(inputs), self.device,
+                              repeats=repeats)
 
         def cycle(a: float, b: float, e: float) -> float:
             return ((rounds - 1) * a + b) / rounds + e / layers

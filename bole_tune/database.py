@@ -113,10 +113,15 @@ class ShapeKey:
     batch_bucket: int
     tp: int = 1
     fold: bool = False  # the folded verify (`tree_verify(..., pending=...)`): its own tuned entries
+    ring: bool = False  # a `PendingRing`'s write round (its R rounds of pending tokens folded in): its own entries
 
     def __post_init__(self):
         if not isinstance(self.fold, bool):
             raise ValueError(f"ShapeKey.fold: expected True or False, got {self.fold!r}")
+        if not isinstance(self.ring, bool):
+            raise ValueError(f"ShapeKey.ring: expected True or False, got {self.ring!r}")
+        if self.fold and self.ring:
+            raise ValueError("ShapeKey.ring: a ring's write round or the folded verify (fold), not both")
         if not isinstance(self.heads, HeadShape):
             raise ValueError(f"ShapeKey.heads: expected a HeadShape, got {self.heads!r}")
         if self.dtype not in DTYPES:
@@ -130,29 +135,34 @@ class ShapeKey:
 
     @classmethod
     def bucketed(cls, heads: HeadShape, dtype, tree_size: int, batch: int, tp: int = 1,
-                 fold: bool = False) -> "ShapeKey":
+                 fold: bool = False, ring: bool = False) -> "ShapeKey":
         """The key of a launch: ``dtype`` a name or a torch dtype, sizes put in their buckets."""
         name = dtype if isinstance(dtype, str) else dtype_name(dtype)
         return cls(heads=heads, dtype=name, tree_bucket=tree_bucket(tree_size), batch_bucket=batch_bucket(batch), tp=tp,
-                   fold=fold)
+                   fold=fold, ring=ring)
 
     @property
     def text(self) -> str:
         h = self.heads
         tp = f"-TP{self.tp}" if self.tp != 1 else ""
-        fold = "-fold" if self.fold else ""
-        return f"Hv{h.hv}-Hk{h.hk}-dk{h.dk}-dv{h.dv}-{self.dtype}-T{self.tree_bucket}-B{self.batch_bucket}{tp}{fold}"
+        kind = "-fold" if self.fold else "-ring" if self.ring else ""
+        return f"Hv{h.hv}-Hk{h.hk}-dk{h.dk}-dv{h.dv}-{self.dtype}-T{self.tree_bucket}-B{self.batch_bucket}{tp}{kind}"
 
     def as_dict(self) -> dict:
         h = self.heads
         data = {"hv": h.hv, "hk": h.hk, "dk": h.dk, "dv": h.dv, "dtype": self.dtype,
                 "tree_bucket": self.tree_bucket, "batch_bucket": self.batch_bucket, "tp": self.tp}
-        return {**data, "fold": True} if self.fold else data
+        return {**data, "fold": True} if self.fold else {**data, "ring": True} if self.ring else data
 
     @property
     def verify_key(self) -> "ShapeKey":
-        """The same bucket's key for the verify alone (itself when not folded)."""
-        return dataclasses.replace(self, fold=False) if self.fold else self
+        """The same bucket's key for the verify alone (itself when neither folded nor a ring's write round)."""
+        return dataclasses.replace(self, fold=False, ring=False) if self.fold or self.ring else self
+
+    @property
+    def fold_key(self) -> "ShapeKey":
+        """The same bucket's key for the folded verify (a ring's write round folds too: what it falls back to)."""
+        return dataclasses.replace(self, fold=True, ring=False)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "key") -> "ShapeKey":
@@ -161,9 +171,10 @@ class ShapeKey:
         values = {name: _positive_int(data.get(name), f"{where}.{name}")
                   for name in ("hv", "hk", "dk", "dv", "tree_bucket", "batch_bucket")}
         values["tp"] = _positive_int(data.get("tp", 1), f"{where}.tp")
-        values["fold"] = data.get("fold", False)
-        if not isinstance(values["fold"], bool):
-            raise DatabaseError(f"{where}.fold: expected true or false, got {values['fold']!r}")
+        for flag in ("fold", "ring"):
+            values[flag] = data.get(flag, False)
+            if not isinstance(values[flag], bool):
+                raise DatabaseError(f"{where}.{flag}: expected true or false, got {values[flag]!r}")
         try:
             heads = HeadShape(hk=values.pop("hk"), hv=values.pop("hv"), dk=values.pop("dk"), dv=values.pop("dv"))
             return cls(heads=heads, dtype=data.get("dtype"), **values)

@@ -28,6 +28,12 @@ commits were tuned (the shipped one until the H200 is profiled again) must not w
 entries of its own (keys ending in ``-fold``, `ShapeKey.fold`; ``bole-tune tune --fold``): its best tiles need
 not be the verify's. Where its bucket has none it runs the config of the same bucket's verify (as that lookup
 decides it), silently: it is what the folded launch ran before it was tuned apart.
+
+**A ring's write round** (a `PendingRing` round that folds its R rounds of pending tokens into the slots and writes
+them) has entries of its own too (keys ending in ``-ring``, `ShapeKey.ring`; ``bole-tune tune --ring``): it folds
+R rounds of tokens, not one, and its best tiles differ from the folded verify's (9B B=32 8-node chains on the H200:
+the folded verify's tuned 32/128/2/3 wrote in 91.6 us a round, 32/64/2/3 in 70.6). Where its bucket has none it
+runs the folded verify's config (as that lookup decides it), silently. A ring's read rounds run the verify's.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class Decision:
     """What the runtime picked and why."""
 
     config: KernelConfig
-    how: str  # "exact", "nearest", "default"; "verify": a folded verify's key served by its bucket's verify entry
+    how: str  # "exact", "nearest", "default"; "verify": a folded verify's (or ring write's) key served by its
+    # bucket's verify entry; "fold": a ring write's key served by its bucket's folded verify entry
     reason: str
     key: ShapeKey
     source: str = ""  # the database file of the entry used
@@ -91,11 +98,16 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, directory=None) ->
     # heads per rank fix the kernel's shape: an entry tuned under any tensor-parallel degree serves it,
     # one tuned under the same degree first
     same = [(other, name, entry) for other, name, entry in tuned
-            if (other.heads, other.dtype, other.tree_bucket, other.batch_bucket, other.fold)
-            == (key.heads, key.dtype, key.tree_bucket, key.batch_bucket, key.fold)]
+            if (other.heads, other.dtype, other.tree_bucket, other.batch_bucket, other.fold, other.ring)
+            == (key.heads, key.dtype, key.tree_bucket, key.batch_bucket, key.fold, key.ring)]
     if same:
         other, name, entry = next((s for s in same if s[0].tp == key.tp), same[0])
         return _from_entry(entry, found.source("configs", name), key, "exact", f"tuned for this bucket ({found.where})")
+    if key.ring:  # a ring's write round not tuned on its own runs what the folded verify of its bucket runs
+        decision = decide(key.fold_key, slug, mode, directory)
+        return dataclasses.replace(decision, key=key, how="fold" if decision.how == "exact" else decision.how,
+                                   reason=f"the ring's write round is not tuned for this bucket: the folded verify's "
+                                          f"config, {decision.reason}")
     if key.fold:  # a folded verify not tuned on its own runs what the verify of its bucket runs
         decision = decide(key.verify_key, slug, mode, directory)
         return dataclasses.replace(decision, key=key, how="verify" if decision.how == "exact" else decision.how,
@@ -105,7 +117,7 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, directory=None) ->
         raise LookupError(f"BOLE_TUNE_LOOKUP=strict: no tuned config for {key.text} on {slug} ({found.where})")
     candidates = []
     for other, name, entry in tuned:
-        if (other.heads, other.dtype) != (key.heads, key.dtype) or other.fold:  # same heads and dtype; any tp
+        if (other.heads, other.dtype) != (key.heads, key.dtype) or other.fold or other.ring:  # any tp
             continue
         if not KernelConfig.from_dict(entry["config"]).fits(key.heads.dk, key.heads.dv):
             continue
@@ -152,13 +164,14 @@ def _device_slug(device: torch.device) -> str:
 
 
 def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_requests: int,
-                 device: torch.device, fold: bool = False) -> tuple[KernelConfig, str | None]:
+                 device: torch.device, fold: bool = False, ring: bool = False) -> tuple[KernelConfig, str | None]:
     """(config, the kernel variant it was tuned on or None) for ``tree_verify(config=None)`` (``fold``: with
-    ``pending=``, whose entries are tuned apart and fall back to the verify's).
+    ``pending=``, whose entries are tuned apart and fall back to the verify's; ``ring``: a `PendingRing`'s write
+    round, whose entries fall back to the folded verify's).
 
     Cached per device and bucket; off a CUDA device (no tuned binaries) the safe default.
     """
-    cache_key = (device.index, heads.hk, heads.hv, heads.dk, heads.dv, dtype, max_tree_size, num_requests, fold)
+    cache_key = (device.index, heads.hk, heads.hv, heads.dk, heads.dv, dtype, max_tree_size, num_requests, fold, ring)
     launch = _cache.get(cache_key)
     if launch is not None:
         return launch
@@ -168,7 +181,7 @@ def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_r
         config = default_config(heads.dk, heads.dv)
     else:
         key = ShapeKey(heads=heads, dtype=dtype_name(dtype), tree_bucket=tree_bucket(max_tree_size),
-                       batch_bucket=batch_bucket(num_requests), fold=bool(fold))
+                       batch_bucket=batch_bucket(num_requests), fold=bool(fold), ring=bool(ring))
         slug = _device_slug(device)
         try:
             decision = decide(key, slug, mode)
@@ -185,7 +198,7 @@ def tuned_launch(heads: HeadShape, dtype: torch.dtype, max_tree_size: int, num_r
 def _warn_once(decision: Decision, slug: str) -> None:
     """One warning per bucket that had no exact entry (not per call), and one per stale database."""
     token = (slug, decision.key.text)
-    if decision.how not in ("exact", "verify") and not decision.reason.startswith("BOLE_TUNE_LOOKUP") \
+    if decision.how not in ("exact", "verify", "fold") and not decision.reason.startswith("BOLE_TUNE_LOOKUP") \
             and token not in _warned:
         _warned.add(token)
         warnings.warn(f"bole-tune: no tuned config for {decision.key.text} on {slug}; using the "

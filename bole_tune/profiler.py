@@ -94,6 +94,7 @@ class ProfilePlan:
     commit_tree_sizes: tuple | None = None
     commit_trials: int = COMMIT_TRIALS
     fold: bool = False  # tune the folded verify (tree_verify with pending=) instead of the verify
+    ring: bool = False  # tune a PendingRing's write round instead of the verify
 
     def commit_grid(self) -> tuple[tuple, tuple]:
         """(batches, tree sizes) the commit is tuned at."""
@@ -108,7 +109,7 @@ class ProfilePlan:
 
 def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False, batches=None, tree_sizes=None,
               trials: int | None = None, repeats: int = 30, curve_batches=None, curve_tree_sizes=None,
-              serial: bool = True, commit: bool = False, fold: bool = False) -> ProfilePlan:
+              serial: bool = True, commit: bool = False, fold: bool = False, ring: bool = False) -> ProfilePlan:
     """A checked plan from a user's choices (`DEFAULT_MODELS` when ``models`` is None; ``quick``: the small
     grid, 16 trials, and 12 per commit study). ``commit``: the plan of a commit-only tuning (``tune --commit``:
     ``--trials`` counts commit trials, and ``quick`` tunes the commit at every batch bucket and trees up to 64
@@ -133,7 +134,7 @@ def make_plan(models=None, dtype: str = "bf16", tp: int = 1, quick: bool = False
                        tune_tree_sizes=tuple(tree_sizes or (QUICK_TREE_SIZES if quick else TREE_BUCKETS)),
                        curve_batches=tuple(curve_batches or batches or ()) or None,
                        curve_tree_sizes=tuple(curve_tree_sizes or tree_sizes or ()) or None,
-                       n_trials=trials, repeats=repeats, serial=serial, fold=fold)
+                       n_trials=trials, repeats=repeats, serial=serial, fold=fold, ring=ring)
 
 
 @dataclass(frozen=True)
@@ -570,7 +571,7 @@ def plan_keys(plan: ProfilePlan) -> list[ShapeKey]:
         heads = model.heads(plan.tp)
         for size in plan.tune_tree_sizes:
             for batch in plan.tune_batches:
-                key = ShapeKey.bucketed(heads, plan.dtype, size, batch, plan.tp, fold=plan.fold)
+                key = ShapeKey.bucketed(heads, plan.dtype, size, batch, plan.tp, fold=plan.fold, ring=plan.ring)
                 if key not in keys:
                     keys.append(key)
     return keys
@@ -674,7 +675,8 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
     The round curves (`ROUND_KERNELS`) are what a GDN layer costs per speculation round: ``round_verify_commit``
     the tuned tree_verify then the tuned one-layer tree_commit, ``round_folded`` the folded verify with its tuned
     config (`CaseBench.time_folded`, with its reset of the previous round's commit marks), ``round_ring`` a ring of
-    `RING_ROUNDS` pending rounds over a cycle (`CaseBench.time_ring`), ``round_serial`` serial_verify then its
+    `RING_ROUNDS` pending rounds over a cycle (`CaseBench.time_ring`: reads on the verify's tuned config, writes on the
+    ring write's, whose config the point records), ``round_serial`` serial_verify then its
     snapshot copy."""
     shape = model.heads(plan.tp)
     shape_dict = {"hv": shape.hv, "hk": shape.hk, "dk": shape.dk, "dv": shape.dv}
@@ -697,11 +699,13 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                 pts.clear()
         last_write[0] = time.monotonic()
 
-    def current(held: dict, decision, commit, fold) -> bool:
+    def current(held: dict, decision, commit, fold, ring_write) -> bool:
         """Whether the held points ran the configs now tuned."""
         if decision is not None and held["tree_verify_tuned"].get("config") != decision.config.as_dict():
             return False
         if fold is not None and held["round_folded"].get("config") != fold.config.as_dict():
+            return False
+        if ring_write is not None and held["round_ring"].get("config") != ring_write.config.as_dict():
             return False
         return commit is None or all(held[k].get("commit_config") == commit.config.as_dict()
                                      for k in ("tree_commit", "round_verify_commit"))
@@ -718,8 +722,10 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                                     num_requests=batch) if on_gpu else None)
             fold = (decide(replace(key, fold=True), fp.slug, "nearest", directory=directory)
                     if on_gpu else None)
+            ring_write = (decide(replace(key, ring=True), fp.slug, "nearest", directory=directory)
+                          if on_gpu else None)
             held = {k: done.get((k, batch, size)) for k in kernels}
-            if all(held.values()) and current(held, decision, commit, fold):
+            if all(held.values()) and current(held, decision, commit, fold, ring_write):
                 rows += [{"model": model.name, "kernel": k, **point, "resumed": True} for k, point in held.items()]
                 if progress:
                     progress(model, batch, size, {})
@@ -747,9 +753,10 @@ def measure_curves(model: ModelProfile, plan: ProfilePlan, device, db_path, fp,
                                                    tuned.config, commit.config)
                 folded = bench.launch(fold.config, tuned_on=fold.kernel, fold=True)
                 measured["round_folded"] = (bench.time_folded(folded, plan.repeats), None, folded.config, None)
+                writes = bench.launch(ring_write.config, tuned_on=ring_write.kernel, ring=True)
                 ring = bench.time_ring(layers=model.num_gdn_layers, repeats=plan.repeats, read_launch=tuned,
-                                       write_launch=folded)
-                measured["round_ring"] = (ring["round_ring"], None, tuned.config, None)
+                                       write_launch=writes)
+                measured["round_ring"] = (ring["round_ring"], None, writes.config, None)  # reads: the verify's
             else:
                 error = bench.check(tree_verify)
                 timing, _ = bench.time_verify(tree_verify, repeats=max(3, plan.repeats // 10), most_sets=2)

@@ -114,7 +114,8 @@ def configs(data: dict) -> Table:
         versions.add(str(prov.get("triton", "?")))
         dates.add(str(prov.get("date", "?"))[:10])
         shape = f"Hv{h.hv} Hk{h.hk} {h.dk}/{h.dv} {key.dtype}" + (f" TP{key.tp}" if key.tp != 1 else "")
-        kernel = e.get("kernel", "fused") + (" folded" if key.fold else "")  # the folded verify's own entry
+        # the folded verify's and a ring write round's own entries
+        kernel = e.get("kernel", "fused") + (" folded" if key.fold else " ring write" if key.ring else "")
         t.add_row(shape, str(key.tree_bucket), str(key.batch_bucket), KernelConfig.from_dict(e["config"]).text,
                   kernel, f"{lat['p50']:.1f}", f"{lat['p20']:.1f}-{lat['p80']:.1f}",
                   f"{e['default_latency_us']['p50']:.1f}" if "default_latency_us" in e else "-",

@@ -57,16 +57,16 @@ class BucketReplay:
 
 
 def key_from_text(text: str) -> ShapeKey:
-    """The `ShapeKey` whose ``.text`` is ``text`` (``Hv32-Hk16-dk128-dv128-bf16-T64-B16[-TP2][-fold]``)."""
+    """The `ShapeKey` whose ``.text`` is ``text`` (``Hv32-Hk16-dk128-dv128-bf16-T64-B16[-TP2][-fold|-ring]``)."""
     parts = text.split("-")
-    fold = parts[-1] == "fold"
-    if fold:
+    fold, ring = parts[-1] == "fold", parts[-1] == "ring"
+    if fold or ring:
         parts = parts[:-1]
     try:
         data = {"hv": int(parts[0].removeprefix("Hv")), "hk": int(parts[1].removeprefix("Hk")),
                 "dk": int(parts[2].removeprefix("dk")), "dv": int(parts[3].removeprefix("dv")),
                 "dtype": parts[4], "tree_bucket": int(parts[5].removeprefix("T")),
-                "batch_bucket": int(parts[6].removeprefix("B")), "fold": fold}
+                "batch_bucket": int(parts[6].removeprefix("B")), "fold": fold, "ring": ring}
         if len(parts) == 8:
             data["tp"] = int(parts[7].removeprefix("TP"))
         elif len(parts) != 7:

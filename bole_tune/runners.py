@@ -117,17 +117,24 @@ class GPURunner:
 
     def _measure_verify(self, key: ShapeKey, config: KernelConfig, variant: str | None = None) -> Measurement:
         """A verify config, or with ``key.fold`` the folded verify's (its outputs against the float64 reference
-        on the committed pool, its committed slots against `commit_closed_form`; then the folded round timed);
+        on the committed pool, its committed slots against `commit_closed_form`; then the folded round timed), or with
+        ``key.ring`` a `PendingRing` write round's (the ring's outputs over R + 1 rounds and its flushed slots against
+        the float64 recurrence; then the write round timed with the tables full, `CaseBench.time_ring_write`);
         ``variant``: on that kernel, not the planner's for the bucket."""
         from bole_tune.commit_bench import COMMIT_TOLERANCE
 
         bench = self.bench(key)
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
             warnings.simplefilter("ignore", UserWarning)
-            launch = bench.launch(config, variant=variant, fold=key.fold)
+            launch = bench.launch(config, variant=variant, fold=key.fold, ring=key.ring)
         if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
             return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
-        if key.fold:
+        if key.ring:  # over R + 1 rounds (a write round among them), then the slots flushed, against float64
+            error, state_error = bench.ring_errors(write=launch)
+            if not state_error <= accepted_error(torch_dtype(key.dtype)):
+                return Measurement("wrong", rel_error=state_error, message=f"the ring's slots: relative error "
+                                                                           f"{state_error:.2e} against float64")
+        elif key.fold:
             error, state_error = bench.fold_errors(launch)
             if not state_error <= COMMIT_TOLERANCE:
                 return Measurement("wrong", rel_error=state_error,
@@ -137,7 +144,9 @@ class GPURunner:
         if not error <= accepted_error(torch_dtype(key.dtype)):
             return Measurement("wrong", rel_error=error,
                                message=f"relative error {error:.2e} against the float64 reference")
-        if key.fold:
+        if key.ring:
+            timing = bench.time_ring_write(launch, repeats=self.repeats)
+        elif key.fold:
             timing = bench.time_folded(launch, repeats=self.repeats)
         else:
             timing, _ = bench.time_verify(tree_verify, launch, repeats=self.repeats)

@@ -433,7 +433,7 @@ def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
         return []
     variant = PLANNER.policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket)
     starts = {"resident": RESIDENT_STARTS, "stream": STREAM_STARTS}.get(variant, ())
-    if variant == "stream" and key.fold:
+    if variant == "stream" and (key.fold or key.ring):  # a ring's write round folds too
         starts = FOLD_STREAM_STARTS + starts
     return [c for c in starts if c.fits(key.heads.dk, key.heads.dv)]
 
@@ -444,21 +444,24 @@ def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
     replacing again, so it never writes a worse entry for want of trying the old one (on the H200 a
     16-trial re-tune of 27B T32-B16 missed the previous 32/32/2/3 and recorded 49.2 us against 43.1)."""
     own = [config for other, config in tuned.values() if other == key]
-    if getattr(key, "fold", False):  # a folded verify starts from its bucket's verify config too
+    if getattr(key, "ring", False):  # a ring's write round starts from its bucket's folded verify config too
+        own += [config for other, config in tuned.values() if other == key.fold_key and config not in own]
+    if getattr(key, "fold", False) or getattr(key, "ring", False):  # and from its bucket's verify config
         own += [config for other, config in tuned.values() if other == key.verify_key and config not in own]
     return own + [c for c in neighbours(key, tuned) if c not in own]
 
 
 def neighbours(key: ShapeKey | CommitKey, tuned: dict) -> list:
     """Best configs of already tuned buckets next to ``key`` (same heads, one bucket step away; a commit key:
-    also the same layers per launch; a folded verify's key: folded ones)."""
+    also the same layers per launch; a folded verify's key: folded ones; a ring write's key: ring writes)."""
     found = []
     for other_text, (other, config) in tuned.items():
         if (other.heads, other.dtype, other.tp) != (key.heads, key.dtype, key.tp) or other == key:
             continue
         if type(other) is not type(key) or getattr(other, "layers", 1) != getattr(key, "layers", 1):
             continue
-        if getattr(other, "fold", False) != getattr(key, "fold", False):
+        if (getattr(other, "fold", False), getattr(other, "ring", False)) != (getattr(key, "fold", False),
+                                                                              getattr(key, "ring", False)):
             continue
         steps = abs(math.log2(other.tree_bucket / key.tree_bucket)) + abs(math.log2(other.batch_bucket / key.batch_bucket))
         if steps <= 1:

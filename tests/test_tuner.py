@@ -205,7 +205,8 @@ def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeyp
     assert not runner.bench(key).launch(KernelConfig(16, 16, 4, 1)).fallback  # CPU: no compiled binary to check
     failed = Launch("fused", KernelConfig(16, 16, 4, 1), 16, fallback_error=1.3e-2,
                     fallback="the resident kernel's self-check: relative error 1.30e-02")
-    monkeypatch.setattr(CaseBench, "launch", lambda self, config=None, variant=None, tuned_on=None, fold=False: failed)
+    monkeypatch.setattr(CaseBench, "launch",
+                        lambda self, config=None, variant=None, tuned_on=None, fold=False, ring=False: failed)
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "wrong" and m.rel_error == 1.3e-2 and "self-check" in m.message, m
 
@@ -261,7 +262,7 @@ def test_the_gpu_runner_measures_the_untuned_default_on_the_untuned_kernel(monke
     runner = GPURunner("cpu", repeats=1)
     asked = []
 
-    def launch(self, config=None, variant=None, tuned_on=None, fold=False):
+    def launch(self, config=None, variant=None, tuned_on=None, fold=False, ring=False):
         asked.append(variant)
         return Launch("fused", config, 16, fallback_error=1.0, fallback="stopped here by the test")
 

@@ -192,7 +192,7 @@ class Planner:
         self._config_source = config_source
         self.self_check = self_check
         self.checks: dict[tuple, tuple[float, float]] = {}
-        self._fold_source, self._fold_takes = None, False
+        self._fold_source, self._fold_takes = None, frozenset()
         self._plans: dict[tuple, Launch] = {}
         self._plans_made_with: tuple = ()
 
@@ -203,27 +203,29 @@ class Planner:
             self._config_source = getattr(importlib.import_module(module), name)
         return self._config_source
 
-    def _source_takes_fold(self) -> bool:
-        """Whether the config source takes ``fold`` (looked up once per source: a signature costs host time)."""
+    def _source_takes(self, keyword: str) -> bool:
+        """Whether the config source takes ``keyword`` ("fold", "ring"; looked up once per source: a signature costs
+        host time)."""
         source = self.config_source
         if self._fold_source is not source:
             try:
-                takes = "fold" in inspect.signature(source).parameters
+                takes = frozenset(inspect.signature(source).parameters) & {"fold", "ring"}
             except (TypeError, ValueError):  # a callable without a signature: asked as for the verify
-                takes = False
+                takes = frozenset()
             self._fold_source, self._fold_takes = source, takes
-        return self._fold_takes
+        return keyword in self._fold_takes
 
     def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
              tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
-             gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False) -> Launch:
+             gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False,
+             ring: bool = False) -> Launch:
         """`_plan`, remembered per arguments: a plan is a pure function of them, the policy, the config source's
         answer (cached there per bucket) and the self-check's (cached per specialisation), so a call seen before
         costs one dictionary access. Forgotten by `clear`, by `forget_plans` (the database layer's
         ``clear_cache``), and when the policy or the config source is replaced."""
         key = (heads, dtype, num_requests, max_tree_size, depth, device, config, variant, v_split, tuned_on, scale,
-               use_qk_l2norm, gate_dtype, check, fold)
+               use_qk_l2norm, gate_dtype, check, fold, ring)
         try:
             launch = self._remembered().get(key)
         except TypeError:  # an unhashable argument: planned (and refused) without the table
@@ -232,7 +234,7 @@ class Planner:
             launch = self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
                                 device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
                                 scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
-                                fold=fold)
+                                fold=fold, ring=ring)
             if key is not None:
                 self._remember(key, launch)
         return launch
@@ -240,7 +242,8 @@ class Planner:
     def _plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
               device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
               tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
-              gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False) -> Launch:
+              gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False,
+              ring: bool = False) -> Launch:
         """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
@@ -250,7 +253,9 @@ class Planner:
             kernel's value split (a power of two with ``v_split * b_v <= dv``; "stream" runs ``dv / b_v``). check: run the resident self-check (a
             launch that fails it comes back on the fused kernel with ``fallback`` set). fold: the launch folds the
             previous round's commit in (``pending=``): the config source is asked for that launch's own tuned
-            config (``fold=True``; a source without that keyword is asked as for the verify).
+            config (``fold=True``; a source without that keyword is asked as for the verify). ring: the launch is a
+            `PendingRing`'s write round (its R rounds of tokens folded in): asked with ``ring=True`` (a source without
+            that keyword is asked as for the folded verify).
         """
         device = torch.device(device)
         if variant is not None and variant not in VARIANTS:
@@ -263,7 +268,8 @@ class Planner:
         untuned = config is None
         if config is None:
             if device.type == "cuda":
-                extra = {"fold": True} if fold and self._source_takes_fold() else {}
+                extra = ({"ring": True} if ring and self._source_takes("ring")
+                         else {"fold": True} if (fold or ring) and self._source_takes("fold") else {})
                 config, tuned_on = self.config_source(heads, dtype, max_tree_size, num_requests, device, **extra)
             else:
                 config = default_config(heads.dk, heads.dv)

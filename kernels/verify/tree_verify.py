@@ -81,7 +81,7 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
                               max_tree_size=tree.max_tree_size, depth=tree.depth, device=q.device, config=config,
                               variant=variant, v_split=v_split, scale=shape.scale,
                               use_qk_l2norm=use_qk_l2norm, gate_dtype=g.dtype,
-                              fold=pending is not None or (ring is not None and ring.step.write))
+                              fold=pending is not None, ring=ring is not None and ring.step.write)
     else:
         if (config, variant, v_split) != (None, None, None):
             raise ValueError("launch: give either a launch or config/variant/v_split, not both")
