@@ -109,16 +109,16 @@ def test_the_runner_checks_and_times_the_ring_write_on_the_cpu(monkeypatch):
     assert m.status == "wrong" and "the ring's slots" in m.message, m
 
 
-def test_ring_errors_see_a_wrong_write_round(monkeypatch):
+def test_ring_errors_see_a_wrong_write_round(device, monkeypatch):
     """The check the tuner relies on can fail: a write round that folds nothing leaves wrong slots and outputs."""
     from bole_tune.bench import BenchCase, CaseBench
     from bole_tune.kernels.verify import run as run_module
 
     bench = CaseBench(BenchCase(HeadShape(hk=1, hv=2, dk=32, dv=32), 2, 4, torch.float32, 8, label="x",
-                                kind="chain"), "cpu")
+                                kind="chain"), device)
     launch = bench.launch(KernelConfig(16, 16, 4, 1))
     good = bench.ring_errors(launch, launch, rounds=2)
-    assert good[0] < 1e-3 and good[1] < 1e-5
+    assert good[0] < 1e-3 and good[1] < 1e-4
     shipped = run_module.run_launch
 
     def forgetful(*args):  # a write round that reads as if nothing were pending (``ring`` is the last argument)
