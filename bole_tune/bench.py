@@ -371,7 +371,7 @@ def bench_verify(impl: str, case: BenchCase, device="cuda", config: KernelConfig
     if impl == "bole":
         row["config"], row["variant"] = launch.config.as_dict(), launch.variant
         row["launch"] = {"node_block": launch.node_block, "v_split": launch.v_split,
-                         "state_split": launch.state_split, "sweep_f16": launch.sweep_f16}
+                         "state_split": launch.state_split, "sweep_f16": launch.sweep_f16, "stack_qk": launch.stack_qk}
     if host is not None:
         row["eager_host_us"] = round(host, 2)
     return row
