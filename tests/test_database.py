@@ -307,6 +307,10 @@ def test_budget_batches_keyed_by_strings_load(tmp_path):
 def test_the_shipped_database_loads():
     data = database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")
     folded = [text for text in data["configs"] if text.endswith("-fold")]
-    assert len(data["configs"]) - len(folded) == 108 and data["step_curves"]
+    ring = [text for text in data["configs"] if text.endswith("-ring")]
+    assert len(data["configs"]) - len(folded) - len(ring) == 108 and data["step_curves"]
     # the folded verify's own entries: 9B (one or 16-32 requests) and 27B (16-32 requests), trees of 8 and 16 nodes
     assert len(folded) == 10 and all(data["configs"][text]["key"]["fold"] is True for text in folded)
+    # a ring write round's own entries: 9B, 16-32 requests, trees of 8 and 16 nodes
+    assert len(ring) == 4 and all(data["configs"][text]["key"]["ring"] is True
+                                  and ShapeKey.from_dict(data["configs"][text]["key"]).text == text for text in ring)
