@@ -24,7 +24,6 @@ from bole_tune.config import KernelConfig
 from bole_tune.kernels import tree_verify
 from bole_tune.shapes import HeadShape
 from lab_rows import release, save, show
-from ring_correct_dot import against_float64
 
 CASES = [(32, 8, "chain"), (32, 4, "chain"), (16, 4, "chain"), (16, 8, "random"), (16, 8, "chain")]
 TILES = ["32/128/2/3", "32/128/4/3", "64/128/4/3", "32/64/2/3", "64/64/2/3", "32/128/2/2"]
@@ -51,7 +50,7 @@ def main() -> None:
             try:
                 row["verify_error"] = bench.check(tree_verify, read)
                 row["fold_o_error"], row["fold_state_error"] = bench.fold_errors(write)
-                row["ring_o_error"], row["ring_state_error"] = against_float64(bench, read, write)
+                row["ring_o_error"], row["ring_state_error"] = bench.ring_errors(read, write, rounds=4, steps=5)
                 if not args.smoke:
                     row["verify"] = bench.time_verify(tree_verify, read, args.repeats)[0].p50_us
                     row["folded"] = bench.time_folded(write, args.repeats).p50_us

@@ -192,7 +192,7 @@ class Planner:
         self._config_source = config_source
         self.self_check = self_check
         self.checks: dict[tuple, tuple[float, float]] = {}
-        self._fold_source, self._fold_takes = None, frozenset()
+        self._keywords_of, self._keywords = None, frozenset()
         self._plans: dict[tuple, Launch] = {}
         self._plans_made_with: tuple = ()
 
@@ -207,13 +207,13 @@ class Planner:
         """Whether the config source takes ``keyword`` ("fold", "ring"; looked up once per source: a signature costs
         host time)."""
         source = self.config_source
-        if self._fold_source is not source:
+        if self._keywords_of is not source:
             try:
                 takes = frozenset(inspect.signature(source).parameters) & {"fold", "ring"}
             except (TypeError, ValueError):  # a callable without a signature: asked as for the verify
                 takes = frozenset()
-            self._fold_source, self._fold_takes = source, takes
-        return keyword in self._fold_takes
+            self._keywords_of, self._keywords = source, takes
+        return keyword in self._keywords
 
     def plan(self, heads: HeadShape, dtype: torch.dtype, *, num_requests: int, max_tree_size: int, depth: int,
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
