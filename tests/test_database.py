@@ -309,8 +309,9 @@ def test_the_shipped_database_loads():
     folded = [text for text in data["configs"] if text.endswith("-fold")]
     ring = [text for text in data["configs"] if text.endswith("-ring")]
     assert len(data["configs"]) - len(folded) - len(ring) == 108 and data["step_curves"]
-    # the folded verify's own entries: 9B (one or 16-32 requests) and 27B (16-32 requests), trees of 8 and 16 nodes
-    assert len(folded) == 10 and all(data["configs"][text]["key"]["fold"] is True for text in folded)
-    # a ring write round's own entries: 9B, 16-32 requests, trees of 8 and 16 nodes
-    assert len(ring) == 4 and all(data["configs"][text]["key"]["ring"] is True
+    # the folded verify's own entries: 9B (one or 16-32 requests), 27B and 122B (16-32 requests), trees of 8 and 16
+    # nodes
+    assert len(folded) == 14 and all(data["configs"][text]["key"]["fold"] is True for text in folded)
+    # a ring write round's own entries: 9B, 27B and 122B, 16-32 requests, trees of 8 and 16 nodes
+    assert len(ring) == 12 and all(data["configs"][text]["key"]["ring"] is True
                                   and ShapeKey.from_dict(data["configs"][text]["key"]).text == text for text in ring)
