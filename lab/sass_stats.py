@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--stack", type=int, choices=(0, 1), help="override the launch's stacked rows (stack_qk)")
     parser.add_argument("--tma", choices=("load", "store", "both"),
                         help="the resident kernel patched by `tma_state.MODES` (state tiles moved by TMA)")
+    parser.add_argument("--maxnreg", type=int, help="cap the registers per thread (ptxas spills what does not fit)")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     heads = HeadShape(hk=16, hv=32, dk=128, dv=128)
@@ -135,9 +136,11 @@ def main() -> None:
         state = call_args[5]
         dk = state.shape[-1]
         meta["s_desc"] = TensorDescriptor(state, [state.numel() // dk, dk], [dk, 1], [meta["B_V"], meta["B_K"]])
+    if args.maxnreg:
+        meta["maxnreg"] = args.maxnreg
     compiled = compile_for_h200(fn, call_args, meta)
     report = sass_report(compiled)
-    print(f"{launch.variant} {launch.config} stack={launch.stack_qk} fold={args.fold} ring={args.ring} tma={args.tma} grid={captured['grid']} registers={report['registers']} "
+    print(f"{launch.variant} {launch.config} stack={launch.stack_qk} fold={args.fold} ring={args.ring} tma={args.tma} maxnreg={args.maxnreg} grid={captured['grid']} registers={report['registers']} "
           f"stack={report['stack']} local={report['local']} shared={report['shared']} "
           f"instructions={report['instructions']}")
     print(" ".join(f"{k}:{v}" for k, v in list(report["ops"].items())[:args.top]))
