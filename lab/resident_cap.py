@@ -27,12 +27,11 @@ from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
 from bole_tune.kernels import tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
-from bole_tune.kernels.verify import resident
 from bole_tune.kernels.verify import run as run_module
-from bole_tune.kernels.launcher import FastLauncher
 from bole_tune.shapes import HeadShape
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.workloads import relative_error
+from reg_cap import CappedLauncher
 from round_timing import HEADS_9B, lab_parser, show, swapped, write_json
 
 CASES = [(16, 64, "random"), (8, 64, "random"), (32, 64, "random")]
@@ -52,18 +51,6 @@ CANDIDATES = [
     (KernelConfig(32, 32, 16, 2), 64),   # 64, 304 B, 2 x 16
     (KernelConfig(16, 32, 16, 2), 64),
 ]
-
-
-class CappedLauncher:
-    """`FastLauncher.launch_keyed` of the resident kernel with ``maxnreg`` added to each launch (its own kept
-    binaries: the cap is part of the key)."""
-
-    def __init__(self, cap: int):
-        self.cap, self.base = cap, FastLauncher(resident.tree_verify_resident_kernel)
-
-    def launch_keyed(self, key, grid, fast_args, args, meta):
-        self.base.launch_keyed(None if key is None else (key, "maxnreg", self.cap), grid, fast_args, args,
-                               lambda: {**meta(), "maxnreg": self.cap})
 
 
 def errors(bench: CaseBench, launch) -> tuple[float, float]:
