@@ -1,0 +1,204 @@
+"""The verifier's launches compiled for the H200 (sm_90) on a machine without a GPU, and what their binaries cost.
+
+CI has no GPU: its tests run the kernels under ``TRITON_INTERPRET=1``, which proves what they compute but never runs
+Triton's compiler, so a kernel change that the interpreter accepts and the compiler rejects (or that no longer fits
+an SM's shared memory) would land unseen. Triton ships the CUDA backend's ptxas, cuobjdump and nvdisasm with its
+wheel, so the launches `tree_verify` would run can be compiled for sm_90 here: the launch is captured from a CPU call
+(CPU tensors of the same dtypes and alignments stand for the device's), its arguments bound as on the GPU (16-bit
+Gram products, tf32 dot precision: the interpreter's fp32 is a CPU-only choice), then compiled and read back.
+
+    python -m bole_tune.binaries [--json]     # the shipped database's launches at the issue-17 shapes
+
+It must run in a process without ``TRITON_INTERPRET`` (the interpreter replaces every ``@triton.jit`` function at
+import time); `tests/test_binaries.py` starts it that way. Static counts only: what an instruction costs is measured
+on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from bole_tune import database
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.database import ShapeKey
+from bole_tune.lookup import decide
+from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
+
+TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+H200 = GPUTarget("cuda", 90, 32)
+SM90_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may hold on sm_90 (227 KiB)
+HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
+
+
+def unavailable() -> str | None:
+    """Why nothing can be compiled here, or None."""
+    missing = [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (TOOLS / tool).exists()]
+    if missing:
+        return f"Triton's CUDA tools are not in its wheel here ({', '.join(missing)} missing from {TOOLS})"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: this process's kernels are interpreted functions, not compilable ones"
+    return None
+
+
+def compile_for(fn, args: tuple, meta: dict, target: GPUTarget = H200):
+    """``fn`` (a ``@triton.jit`` kernel) compiled for ``target`` with ``args`` bound as a launch would bind them."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def binary_report(compiled) -> dict:
+    """Registers per thread, stack bytes (spills), shared memory bytes, SASS instructions and their kinds."""
+    with tempfile.TemporaryDirectory() as work:
+        cubin = pathlib.Path(work) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+
+    def field(name):
+        m = re.search(rf"{name}:(\d+)", usage)
+        return int(m.group(1)) if m else None
+
+    return {"registers": field("REG"), "stack": field("STACK"), "local": field("LOCAL"),
+            "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
+            "instructions": sum(ops.values()), "ops": dict(ops.most_common())}
+
+
+def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: bool = False) -> tuple:
+    """(kernel, arguments, meta-parameters, grid) of ``launch`` on the bench's reference instance, captured where
+    the launcher would start it (nothing runs); ``ring``: "read" or "write", a `PendingRing` round of four; ``fold``:
+    the folded verify, committing a previous round's paths to every request's deepest node."""
+    from bole_tune.kernels import PendingCommit, PendingPaths, PendingRing, tree_verify
+    from bole_tune.kernels.verify import run as run_module
+    from bole_tune.kernels.verify import tree_verify as tree_verify_module
+
+    captured = {}
+
+    def capture(key, grid, fast_args, build_args, build_meta):
+        captured.update(args=build_args(), meta=build_meta(), grid=grid)
+
+    kernel = run_module.FUSED if launch.variant == "fused" else run_module.RESIDENT
+    original, use = kernel.launch_keyed, tree_verify_module.use_triton
+    kernel.launch_keyed = capture
+    tree_verify_module.use_triton = lambda device: True  # the Triton path, on CPU tensors
+    try:
+        tree, x, _ = bench.reference()
+        if ring:
+            pending = PendingRing(x.state.shape[0], 4, tree.depth + 1, tree.num_nodes, tree.num_requests, "cpu")
+            step = pending.begin(tree, write=ring == "write")
+            tree_verify(*x.args(tree), validate=False, launch=launch,
+                        ring=step.layer(pending.results(bench.case.shape, bench.case.dtype)))
+        elif fold:
+            previous = tree_verify(*x.args(tree), validate=False, launch=bench.launch())  # its buffers, never run
+            paths = PendingPaths.between_rounds(tree, bench.deepest(tree), x.state_indices, x.state_indices,
+                                                x.state.shape[0])
+            tree_verify(*x.args(tree), validate=False, launch=launch, pending=PendingCommit(paths, previous))
+        else:
+            tree_verify(*x.args(tree), validate=False, launch=launch)
+    finally:
+        kernel.launch_keyed, tree_verify_module.use_triton = original, use
+    if not captured:
+        raise RuntimeError(f"{launch}: tree_verify launched nothing to capture")
+    meta = dict(captured["meta"])
+    if "GRAM_DTYPE" in meta:
+        meta["GRAM_DTYPE"] = triton.language.bfloat16 if bench.case.dtype == torch.bfloat16 else triton.language.float16
+    if "DOT_PRECISION" in meta:
+        meta["DOT_PRECISION"] = "tf32"
+    return kernel.fn, captured["args"], meta, captured["grid"]
+
+
+@dataclass(frozen=True)
+class ShippedCase:
+    """A launch of the shipped database at one shape: ``stack`` None takes the planner's stacked-rows choice."""
+
+    name: str
+    batch: int
+    tree_size: int
+    kind: str
+    fold: bool = False
+    ring: str | None = None
+    stack: bool | None = None
+
+
+SHIPPED_CASES = (
+    ShippedCase("B1-chain4", 1, 4, "chain"),
+    ShippedCase("B16-chain4", 16, 4, "chain"),
+    ShippedCase("B16-chain4-two-tiles", 16, 4, "chain", stack=False),
+    ShippedCase("B16-tree64", 16, 64, "random"),
+    ShippedCase("B4-tree16", 4, 16, "random"),
+    ShippedCase("B32-chain8-folded", 32, 8, "chain", fold=True),
+    ShippedCase("B32-chain8-ring-read", 32, 8, "chain", ring="read"),
+    ShippedCase("B32-chain8-ring-write", 32, 8, "chain", ring="write"),
+)
+
+
+def shipped_launch(bench: CaseBench, fold: bool = False, ring: bool = False, slug: str = "nvidia-h200"):
+    """The launch `tree_verify(config=None)` runs for the bench's case on ``slug``, from the shipped database."""
+    c = bench.case
+    key = ShapeKey(heads=c.shape, dtype="bf16" if c.dtype == torch.bfloat16 else "fp16",
+                   tree_bucket=tree_bucket(c.tree_size), batch_bucket=batch_bucket(c.batch), fold=fold and not ring,
+                   ring=ring)
+    decision = decide(key, slug, "nearest", directory=database.SHIPPED_DIR)
+    return bench.launch(config=decision.config, tuned_on=decision.kernel, fold=fold or ring, ring=ring)
+
+
+def shipped_binaries(cases=SHIPPED_CASES, heads: HeadShape = HEADS_9B) -> list[dict]:
+    """Each case's launch compiled for sm_90, with its `binary_report`."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    rows = []
+    for case in cases:
+        bench = CaseBench(BenchCase(heads, case.batch, case.tree_size, torch.bfloat16, 8, kind=case.kind), "cpu")
+        launch = shipped_launch(bench, fold=case.fold, ring=case.ring == "write")
+        if case.stack is not None:
+            launch = launch.replace(stack_qk=case.stack)
+        fn, args, meta, grid = captured_launch(bench, launch, case.ring, case.fold)
+        rows.append({"case": case.name, "variant": launch.variant, "config": str(launch.config),
+                     "stack_qk": launch.stack_qk, "fold": bool(meta.get("FOLD")), "ring": bool(meta.get("RING")),
+                     "grid": list(grid), **binary_report(compile_for(fn, args, meta))})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
+    rows = shipped_binaries()
+    if args.json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['case']:24s} {r['variant']:8s} {r['config']:32s} stack_qk={r['stack_qk']!s:5s} fold={r['fold']!s:5s} "
+              f"ring={r['ring']!s:5s} "
+              f"registers={r['registers']} stack={r['stack']} shared={r['shared']} instructions={r['instructions']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The shipped database's verify launches compiled for the H200 (sm_90) on this machine, GPU or not
+(`bole_tune.binaries`): the interpreter proves what the kernels compute, this proves Triton's real compiler takes
+them and that they fit an SM."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import bole_tune
+from bole_tune import binaries
+
+
+def _env(interpret: bool) -> dict:
+    """This environment with or without TRITON_INTERPRET, and this checkout first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    root = str(pathlib.Path(bole_tune.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """`python -m bole_tune.binaries --json`, in a process without TRITON_INTERPRET (this one runs the kernels
+    under the interpreter, whose functions cannot be compiled)."""
+    tools = [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (binaries.TOOLS / tool).exists()]
+    if tools:
+        pytest.skip(f"Triton's wheel here ships no {', '.join(tools)} (in {binaries.TOOLS}): nothing to compile with")
+    done = subprocess.run([sys.executable, "-m", "bole_tune.binaries", "--json"], env=_env(False), capture_output=True,
+                          text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {row["case"]: row for row in json.loads(done.stdout)}
+
+
+def test_every_shipped_launch_compiles_and_fits_an_sm(shipped):
+    assert set(shipped) == {case.name for case in binaries.SHIPPED_CASES}
+    for name, row in shipped.items():
+        assert row["instructions"] > 0, name
+        assert 0 < row["registers"] <= 255, (name, row["registers"])
+        assert row["shared"] <= binaries.SM90_SHARED_BYTES, (name, row["shared"])
+
+
+def test_each_case_compiled_the_launch_it_names(shipped):
+    """The capture ran the round each case names: a folded verify folds, a ring round reads the ring, the others
+    neither; the database's variants are the planner's (resident at one request and 64 nodes, stream at 16-32)."""
+    for case in binaries.SHIPPED_CASES:
+        row = shipped[case.name]
+        assert row["ring"] is (case.ring is not None), case.name
+        assert row["fold"] is (case.fold or case.ring is not None), case.name
+    assert shipped["B1-chain4"]["variant"] == "resident"
+    assert shipped["B16-tree64"]["variant"] == "resident"
+    assert shipped["B16-chain4"]["variant"] == "stream"
+
+
+def test_stacked_rows_take_fewer_instructions_and_registers(shipped):
+    """q and k on one 16-row tile: one product per pair instead of two (docs/math.md §3, "Stacked rows")."""
+    stacked, apart = shipped["B16-chain4"], shipped["B16-chain4-two-tiles"]
+    assert stacked["stack_qk"] and not apart["stack_qk"] and stacked["config"] == apart["config"]
+    assert stacked["instructions"] < apart["instructions"]
+    assert stacked["registers"] <= apart["registers"]
+
+
+def test_an_interpreted_process_is_refused_with_a_reason():
+    done = subprocess.run([sys.executable, "-m", "bole_tune.binaries"], env=_env(True), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert "TRITON_INTERPRET" in done.stderr and "Traceback" not in done.stderr
