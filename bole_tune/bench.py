@@ -80,7 +80,8 @@ class CaseBench:
 
     def __init__(self, case: BenchCase, device="cuda", seed: int = 0):
         self.case, self.device, self.seed = case, torch.device(device), seed
-        self._reference = None
+        self._reference = self._instance = None
+        self._tree = None
         self._sets = {}
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None,
@@ -91,21 +92,28 @@ class CaseBench:
         The reference check, on a smaller batch, runs this same launch: what is checked is what is timed. ``fold``:
         the folded verify's launch; ``ring``: a `PendingRing` write round's."""
         c = self.case
-        tree = self.sets(64)[0]
+        tree = self.tree()
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
-                            depth=max(tree.depth, self.reference()[0].depth), device=self.device, config=config,
+                            depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device, config=config,
                             variant=variant, tuned_on=tuned_on, fold=fold, ring=ring)
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
 
     # correctness ------------------------------------------------------------------------------
-    def reference(self):
-        if self._reference is None:
+    def reference_instance(self):
+        """(tree, inputs) of the reference instance (a smaller batch), without its float64 outputs."""
+        if self._instance is None:
             c, s = self.case, self.case.shape
             tree = make_tree([c.tree_size] * min(c.batch, CHECK_BATCH), c.kind, max_depth=c.max_depth,
                              seed=self.seed + 1, device=self.device)
-            x = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, seed=self.seed + 1)
+            self._instance = (tree, make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, seed=self.seed + 1))
+        return self._instance
+
+    def reference(self):
+        """(tree, inputs, float64 outputs) of the reference instance."""
+        if self._reference is None:
+            tree, x = self.reference_instance()
             self._reference = (tree, x, verify_reference(*x.args(tree), keep_states=False))
         return self._reference
 
@@ -173,12 +181,20 @@ class CaseBench:
         return worst, relative_error(pool[used], truth[used])
 
     # timing -----------------------------------------------------------------------------------
+    def tree(self):
+        """The batch's trees, which every rotating set of `sets` verifies (made once; nothing else allocated)."""
+        if self._tree is None:
+            c = self.case
+            self._tree = make_tree([c.tree_size] * c.batch, c.kind, max_depth=c.max_depth, seed=self.seed,
+                                   device=self.device)
+        return self._tree
+
     def sets(self, most: int):
         """(tree, pool, per-set inputs, per-set slot indices), enough sets to exceed the L2 cache."""
         c = self.case
         num_sets = rotation_count(c.floor_bytes(), l2_cache_bytes(self.device), most=most)
         if num_sets not in self._sets:
-            tree = make_tree([c.tree_size] * c.batch, c.kind, max_depth=c.max_depth, seed=self.seed, device=self.device)
+            tree = self.tree()
             s = c.shape
             pool = make_inputs(tree, s.hk, s.hv, s.dk, s.dv, c.dtype, self.device, num_slots=c.batch * num_sets,
                                seed=self.seed).state

@@ -105,7 +105,7 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
     kernel.launch_keyed = capture
     tree_verify_module.use_triton = lambda device: True  # the Triton path, on CPU tensors
     try:
-        tree, x, _ = bench.reference()
+        tree, x = bench.reference_instance()
         if ring:
             pending = PendingRing(x.state.shape[0], 4, tree.depth + 1, tree.num_nodes, tree.num_requests, "cpu")
             step = pending.begin(tree, write=ring == "write")
@@ -141,6 +141,7 @@ class ShippedCase:
     fold: bool = False
     ring: str | None = None
     stack: bool | None = None
+    heads: HeadShape = HEADS_9B
 
 
 SHIPPED_CASES = (
@@ -155,6 +156,19 @@ SHIPPED_CASES = (
 )
 
 
+def entry_cases(slug: str = "nvidia-h200") -> list[ShippedCase]:
+    """One case per verify entry of the shipped database for ``slug`` (its heads, its buckets' largest batch and
+    tree, random trees of depth <= 8; a ``-ring`` entry as a ring's write round): every launch the database can
+    hand `tree_verify` at a bucket's edge."""
+    data = database.load(database.SHIPPED_DIR / f"{slug}.yaml")
+    cases = []
+    for name, entry in sorted(data["configs"].items()):
+        key = ShapeKey.from_dict(entry["key"])
+        cases.append(ShippedCase(name, key.batch_bucket, key.tree_bucket, "random", fold=key.fold,
+                                 ring="write" if key.ring else None, heads=key.heads))
+    return cases
+
+
 def shipped_launch(bench: CaseBench, fold: bool = False, ring: bool = False, slug: str = "nvidia-h200"):
     """The launch `tree_verify(config=None)` runs for the bench's case on ``slug``, from the shipped database."""
     c = bench.case
@@ -165,14 +179,14 @@ def shipped_launch(bench: CaseBench, fold: bool = False, ring: bool = False, slu
     return bench.launch(config=decision.config, tuned_on=decision.kernel, fold=fold or ring, ring=ring)
 
 
-def shipped_binaries(cases=SHIPPED_CASES, heads: HeadShape = HEADS_9B) -> list[dict]:
+def shipped_binaries(cases=SHIPPED_CASES) -> list[dict]:
     """Each case's launch compiled for sm_90, with its `binary_report`."""
     reason = unavailable()
     if reason:
         raise RuntimeError(reason)
     rows = []
     for case in cases:
-        bench = CaseBench(BenchCase(heads, case.batch, case.tree_size, torch.bfloat16, 8, kind=case.kind), "cpu")
+        bench = CaseBench(BenchCase(case.heads, case.batch, case.tree_size, torch.bfloat16, 8, kind=case.kind), "cpu")
         launch = shipped_launch(bench, fold=case.fold, ring=case.ring == "write")
         if case.stack is not None:
             launch = launch.replace(stack_qk=case.stack)
@@ -186,11 +200,13 @@ def shipped_binaries(cases=SHIPPED_CASES, heads: HeadShape = HEADS_9B) -> list[d
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--every-entry", action="store_true",
+                        help="every verify entry of the shipped database instead of the issue-17 shapes")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
-    rows = shipped_binaries()
+    rows = shipped_binaries(entry_cases() if args.every_entry else SHIPPED_CASES)
     if args.json:
         print(json.dumps(rows))
         return

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import bole_tune
-from bole_tune import binaries
+from bole_tune import binaries, database
 
 
 def _env(interpret: bool) -> dict:
@@ -26,25 +26,46 @@ def _env(interpret: bool) -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    """`python -m bole_tune.binaries --json`, in a process without TRITON_INTERPRET (this one runs the kernels
-    under the interpreter, whose functions cannot be compiled)."""
+def _compiled(*flags: str) -> dict:
+    """`python -m bole_tune.binaries --json FLAGS`, in a process without TRITON_INTERPRET (this one runs the kernels
+    under the interpreter, whose functions cannot be compiled): its rows by case."""
     tools = [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (binaries.TOOLS / tool).exists()]
     if tools:
         pytest.skip(f"Triton's wheel here ships no {', '.join(tools)} (in {binaries.TOOLS}): nothing to compile with")
-    done = subprocess.run([sys.executable, "-m", "bole_tune.binaries", "--json"], env=_env(False), capture_output=True,
-                          text=True, timeout=1200)
+    done = subprocess.run([sys.executable, "-m", "bole_tune.binaries", "--json", *flags], env=_env(False),
+                          capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
     return {row["case"]: row for row in json.loads(done.stdout)}
 
 
-def test_every_shipped_launch_compiles_and_fits_an_sm(shipped):
-    assert set(shipped) == {case.name for case in binaries.SHIPPED_CASES}
-    for name, row in shipped.items():
+def _fits_an_sm(rows: dict) -> None:
+    for name, row in rows.items():
         assert row["instructions"] > 0, name
         assert 0 < row["registers"] <= 255, (name, row["registers"])
         assert row["shared"] <= binaries.SM90_SHARED_BYTES, (name, row["shared"])
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return _compiled()
+
+
+def test_every_shipped_launch_compiles_and_fits_an_sm(shipped):
+    assert set(shipped) == {case.name for case in binaries.SHIPPED_CASES}
+    _fits_an_sm(shipped)
+
+
+def test_every_entry_of_the_shipped_database_compiles_and_fits_an_sm():
+    """Every verify entry (verify, folded, ring write; every model's heads), at its bucket's largest batch and tree:
+    an entry tuned before a kernel change is still a launch the compiler takes."""
+    rows = _compiled("--every-entry")
+    entries = database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")["configs"]
+    assert set(rows) == set(entries)
+    _fits_an_sm(rows)
+    for name, row in rows.items():
+        key = entries[name]["key"]
+        assert row["ring"] is bool(key.get("ring")), name
+        assert row["fold"] is bool(key.get("fold") or key.get("ring")), name
 
 
 def test_each_case_compiled_the_launch_it_names(shipped):
