@@ -36,7 +36,7 @@ from bole_tune import database
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.database import ShapeKey
 from bole_tune.lookup import decide
-from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
+from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, tree_bucket
 
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H200 = GPUTarget("cuda", 90, 32)
@@ -172,7 +172,7 @@ def entry_cases(slug: str = "nvidia-h200") -> list[ShippedCase]:
 def shipped_launch(bench: CaseBench, fold: bool = False, ring: bool = False, slug: str = "nvidia-h200"):
     """The launch `tree_verify(config=None)` runs for the bench's case on ``slug``, from the shipped database."""
     c = bench.case
-    key = ShapeKey(heads=c.shape, dtype="bf16" if c.dtype == torch.bfloat16 else "fp16",
+    key = ShapeKey(heads=c.shape, dtype=dtype_name(c.dtype),
                    tree_bucket=tree_bucket(c.tree_size), batch_bucket=batch_bucket(c.batch), fold=fold and not ring,
                    ring=ring)
     decision = decide(key, slug, "nearest", directory=database.SHIPPED_DIR)
