@@ -94,8 +94,8 @@ class CaseBench:
         c = self.case
         tree = self.tree()
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
-                            depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device, config=config,
-                            variant=variant, tuned_on=tuned_on, fold=fold, ring=ring)
+                            depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device,
+                            config=config, variant=variant, tuned_on=tuned_on, fold=fold, ring=ring)
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}

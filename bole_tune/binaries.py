@@ -44,9 +44,14 @@ SM90_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may hold 
 HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 
 
+def missing_tools() -> list[str]:
+    """The CUDA tools this module needs that Triton's wheel here does not ship."""
+    return [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (TOOLS / tool).exists()]
+
+
 def unavailable() -> str | None:
     """Why nothing can be compiled here, or None."""
-    missing = [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (TOOLS / tool).exists()]
+    missing = missing_tools()
     if missing:
         return f"Triton's CUDA tools are not in its wheel here ({', '.join(missing)} missing from {TOOLS})"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -211,8 +216,8 @@ def main(argv=None) -> None:
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['case']:24s} {r['variant']:8s} {r['config']:32s} stack_qk={r['stack_qk']!s:5s} fold={r['fold']!s:5s} "
-              f"ring={r['ring']!s:5s} "
+        print(f"{r['case']:24s} {r['variant']:8s} {r['config']:32s} stack_qk={r['stack_qk']!s:5s} "
+              f"fold={r['fold']!s:5s} ring={r['ring']!s:5s} "
               f"registers={r['registers']} stack={r['stack']} shared={r['shared']} instructions={r['instructions']}")
 
 

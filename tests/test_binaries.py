@@ -29,7 +29,7 @@ def _env(interpret: bool) -> dict:
 def _compiled(*flags: str) -> dict:
     """`python -m bole_tune.binaries --json FLAGS`, in a process without TRITON_INTERPRET (this one runs the kernels
     under the interpreter, whose functions cannot be compiled): its rows by case."""
-    tools = [tool for tool in ("ptxas", "cuobjdump", "nvdisasm") if not (binaries.TOOLS / tool).exists()]
+    tools = binaries.missing_tools()
     if tools:
         pytest.skip(f"Triton's wheel here ships no {', '.join(tools)} (in {binaries.TOOLS}): nothing to compile with")
     done = subprocess.run([sys.executable, "-m", "bole_tune.binaries", "--json", *flags], env=_env(False),
