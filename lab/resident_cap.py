@@ -11,7 +11,10 @@ Each launch is checked first on the bench's reference instance against the float
 state a commit of every request's deepest node leaves (so the updates ``u`` are checked too); a launch above the
 accepted error is reported and not timed. Then the verify alone is timed (one CUDA graph over rotating sets, median).
 
-    python3 lab/resident_cap.py [--json OUT] [--repeats 30] [--smoke]
+    python3 lab/resident_cap.py [--json OUT] [--repeats 30] [--smoke] [--fold]
+
+``--fold`` also checks (`CaseBench.fold_errors`) and times (`CaseBench.time_folded`) each candidate as the folded
+verify (the previous round's paths committed in the same launch), on the resident kernel.
 
 ``--smoke`` runs small heads through the CPU interpreter (the cap is a compile option the interpreter ignores): the
 script's path, not its figures.
@@ -67,6 +70,7 @@ def errors(bench: CaseBench, launch) -> tuple[float, float]:
 
 def main() -> None:
     parser = lab_parser()
+    parser.add_argument("--fold", action="store_true", help="also check and time each candidate as the folded verify")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HEADS_9B
@@ -93,6 +97,11 @@ def main() -> None:
                         entry["verify"] = timing.p50_us
                     else:
                         entry["status"] = "wrong: not timed"
+                    if args.fold:
+                        folded = bench.launch(config=config, variant="resident", fold=True)
+                        entry["fold_error"], entry["fold_state_error"] = bench.fold_errors(folded)
+                        if max(entry["fold_error"], entry["fold_state_error"]) <= bound:
+                            entry["folded"] = bench.time_folded(folded, repeats=repeats).p50_us
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:300]}"
             print("   ", show(entry), flush=True)
@@ -102,10 +111,12 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     write_json(rows, args.json)
-    print("\n| 9B, verify us | " + " | ".join(f"B={r['batch']} T={r['tree_size']}" for r in rows) + " |")
+    head = " | ".join(f"B={r['batch']} T={r['tree_size']}" for r in rows)
+    print("\n| 9B, verify" + (" / folded" if args.fold else "") + f" us | {head} |")
     print("|---|" + "---|" * len(rows))
     for i, run in enumerate(rows[0]["runs"]):
-        cells = [str(r["runs"][i].get("verify", r["runs"][i].get("status", "-"))) for r in rows]
+        cells = [str(r["runs"][i].get("verify", r["runs"][i].get("status", "-")))
+                 + (f" / {r['runs'][i].get('folded', '-')}" if args.fold else "") for r in rows]
         print(f"| {run['config']} cap {run['maxnreg']} | " + " | ".join(cells) + " |")
 
 
