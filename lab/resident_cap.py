@@ -71,12 +71,14 @@ def errors(bench: CaseBench, launch) -> tuple[float, float]:
 def main() -> None:
     parser = lab_parser()
     parser.add_argument("--fold", action="store_true", help="also check and time each candidate as the folded verify")
+    parser.add_argument("--batch", type=int, action="append", help="only this batch's case (repeatable)")
+    parser.add_argument("--only", type=int, action="append", help="only candidate N of CANDIDATES (repeatable)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     heads = HeadShape(hk=2, hv=4, dk=32, dv=32) if args.smoke else HEADS_9B
-    cases = [(2, 16, "random")] if args.smoke else CASES
+    cases = [(2, 16, "random")] if args.smoke else [c for c in CASES if not args.batch or c[0] in args.batch]
     candidates = ([(KernelConfig(16, 16, 4, 1), None), (KernelConfig(16, 16, 8, 1), 128)] if args.smoke
-                  else CANDIDATES)
+                  else [c for i, c in enumerate(CANDIDATES) if not args.only or i in args.only])
     repeats = 2 if args.smoke else args.repeats
     bound = accepted_error(torch.bfloat16)
     rows = []
