@@ -328,8 +328,9 @@ def test_the_cached_commit_lookup_costs_well_under_two_microseconds(db, monkeypa
 
 
 def test_the_shipped_database_serves_its_commit_entries_and_falls_back_cleanly(monkeypatch):
-    """The shipped H200 file holds the 9B's tuned commit launches (one layer and 24 per launch): lookup returns
-    them; heads tuned for the verifier but not yet for the commit (27B) take the fallback rule, silently."""
+    """The shipped H200 file holds the tuned commit launches of the 9B, 27B and 122B (one layer, and all of the
+    model's GDN layers per launch): lookup returns them; heads tuned for none of them (the 9B's split four ways by
+    tensor parallelism: 4 key and 8 value heads) take the fallback rule, silently."""
     from test_shipped_data import SHIPPED
 
     monkeypatch.setenv("BOLE_TUNE_DB", str(SHIPPED))
@@ -339,25 +340,28 @@ def test_the_shipped_database_serves_its_commit_entries_and_falls_back_cleanly(m
     try:
         data = database.load(SHIPPED / "nvidia-h200.yaml")
         entries = data["commit_configs"]
-        assert data["configs"] and len(entries) == 48
-        assert all(name.startswith("Hv32-Hk16-dk128-dv128-bf16-") for name in entries)
-        assert {entry["key"]["layers"] for entry in entries.values()} == {1, 24}
+        heads = {32: 24, 48: 48, 64: 36}  # value heads -> GDN layers of the 9B, 27B, 122B
+        assert data["configs"] and len(entries) == 48 * len(heads)
+        for hv, layers in heads.items():
+            mine = [e["key"] for e in entries.values() if e["key"]["hv"] == hv]
+            assert len(mine) == 48 and {k["layers"] for k in mine} == {1, layers}, hv
+        assert all(e["trials"]["wrong"] == 0 and e["trials"]["ok"] > 0 for e in entries.values())
         # the entries whose tuned launch is not the fallback's: lookup must return the stored one
         differ = [e["key"] for e in entries.values() if e["config"] != e["default_config"]]
-        assert differ, "the shipped commit entries all equal the fallback: this test would prove nothing"
+        assert len({k["hv"] for k in differ}) == len(heads), "a model's entries all equal the fallback"
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning spam where a commit entry is missing
             for key in differ:
-                stored = entries[f"Hv32-Hk16-dk128-dv128-bf16-T{key['tree_bucket']}-B{key['batch_bucket']}-"
+                stored = entries[f"Hv{key['hv']}-Hk16-dk128-dv128-bf16-T{key['tree_bucket']}-B{key['batch_bucket']}-"
                                  f"L{key['layers']}"]["config"]
-                config = lookup.tuned_commit(16, 32, 128, 128, BF16, key["tree_bucket"], key["batch_bucket"],
+                config = lookup.tuned_commit(16, key["hv"], 128, 128, BF16, key["tree_bucket"], key["batch_bucket"],
                                              key["layers"], GPU)
                 assert config == CommitConfig.from_dict(stored) != default_commit_config(
-                    key["layers"] * key["batch_bucket"] * 32, 128, 128)
+                    key["layers"] * key["batch_bucket"] * key["hv"], 128, 128)
             for layers in (1, 24):
                 for batch in (1, 16):
-                    config = lookup.tuned_commit(16, 48, 128, 128, BF16, 64, batch, layers, GPU)  # the 27B
-                    assert config == default_commit_config(layers * batch * 48, 128, 128)
+                    config = lookup.tuned_commit(4, 8, 128, 128, BF16, 64, batch, layers, GPU)
+                    assert config == default_commit_config(layers * batch * 8, 128, 128)
     finally:
         lookup.clear_cache()
 
