@@ -31,6 +31,7 @@ over the tokens it drafts: ``attention_us`` and ``lm_head_us`` at that many toke
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -411,14 +412,24 @@ def step_curve_entry(model: ModelProfile, points: list[StepPoint], context: int,
             "provenance": provenance(fp, METHOD)}
 
 
+STEP_CHECKPOINT_S = 30.0
+"""Seconds between the partial writes of a model's step curve while it is measured (each write parses and
+rewrites the whole database: about 1.6 s for the shipped H200 file)."""
+
+
 def measure_and_store(models=None, batches=None, tree_sizes=None, context: int = 4096,
                       repeats: int = 20, serial: bool = True, attention=("split",), db_dir=None,
                       replace_corrupt: bool = False,
-                      progress=None) -> StepResult:
+                      progress=None, checkpoint_s: float = STEP_CHECKPOINT_S) -> StepResult:
     """Measure the verification step of each model (`DEFAULT_MODELS` when None; names or profiles) on this
     machine's GPU, or its CPU without one, and store each model's curve in ``<db_dir>/<gpu>.yaml`` as soon
     as it is measured. ``progress(model, batch, tree_size, point)`` after each point. ``batches``,
-    ``tree_sizes``: default `STEP_BATCHES`, `STEP_TREE_SIZES`."""
+    ``tree_sizes``: default `STEP_BATCHES`, `STEP_TREE_SIZES`.
+
+    While a model is measured, the points measured so far are written every ``checkpoint_s`` seconds (merged
+    into the stored curve by (batch, tree size), `database.merge_points`: the old curve's other points stay,
+    each point naming the run that measured it), so a run that is killed or runs out of time keeps what it
+    measured up to its last write; the finished curve replaces them all."""
     batches, tree_sizes = batches or STEP_BATCHES, tree_sizes or STEP_TREE_SIZES
     profiles = [resolve_model(m) if isinstance(m, str) else m for m in (models or DEFAULT_MODELS)]
     if context < 1:
@@ -433,11 +444,24 @@ def measure_and_store(models=None, batches=None, tree_sizes=None, context: int =
     if device == "cpu":
         result.notes.append("No CUDA GPU: timed the layers on the CPU with the wall clock; these numbers say "
                             "nothing about a GPU's step.")
-    for model in profiles:
-        points = measure_step_curve(model, batches, tree_sizes, context, device, repeats, serial=serial,
-                                    attention=attention,
-                                    progress=progress)
+
+    def store(model, points) -> None:
         database.update(path, device=fp.as_dict(), step_curves={f"{model.name}/bf16":
                                                                 step_curve_entry(model, points, context, fp)})
+
+    for model in profiles:
+        measured, written = [], [time.monotonic()]
+
+        def keep(m, batch, size, point):
+            measured.append(point)
+            if time.monotonic() - written[0] >= checkpoint_s:
+                store(model, measured)
+                written[0] = time.monotonic()
+            if progress:
+                progress(m, batch, size, point)
+
+        points = measure_step_curve(model, batches, tree_sizes, context, device, repeats, serial=serial,
+                                    attention=attention, progress=keep)
+        store(model, points)
         result.points[model.name] = points
     return result

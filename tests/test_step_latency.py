@@ -130,3 +130,33 @@ def test_ring_rounds_in_the_layer_match_separate_commits(tiny, device):
     # inputs' 16-bit operands, as the verify's Gram products are (H200: 2.2e-5)
     assert_close(ring_state, m.state, 1e-4, "the state after four rounds and the flush")
     assert not torch.allclose(ring_state, state0), "the rounds committed nothing"
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_step_run_keeps_the_points_it_measured(tiny, tmp_path):
+    """`measure_and_store` writes the points measured so far while it runs (here after every point), merged
+    into the stored curve: a run stopped part way keeps them, and the old curve's other points stay."""
+    from bole_tune import database
+    from bole_tune.step_latency import measure_and_store
+
+    first = measure_and_store([tiny], batches=(1,), tree_sizes=(1, 4), context=16, repeats=1, serial=False,
+                              db_dir=tmp_path)
+    old = {p.tree_size: p.step_us for p in first.points["Tiny-MoE"]}
+    seen = []
+
+    def stop_at_the_first(model, batch, size, point):
+        seen.append(point)
+        raise Killed
+
+    with pytest.raises(Killed):
+        measure_and_store([tiny], batches=(1,), tree_sizes=(1, 4), context=16, repeats=1, serial=False,
+                          db_dir=tmp_path, progress=stop_at_the_first, checkpoint_s=0)
+    curve = database.load(first.path)["step_curves"]["Tiny-MoE/bf16"]
+    stored = {p["tree_size"]: p["step_us"] for p in curve["points"]}
+    assert sorted(stored) == [1, 4] and len(seen) == 1
+    assert stored[1] == pytest.approx(seen[0].step_us)  # the killed run's point, written before it stopped
+    assert stored[4] == pytest.approx(old[4])  # not measured again: the first run's point stays
+    assert all("measured" in p for p in curve["points"])  # each point names the run that measured it
