@@ -44,7 +44,7 @@ from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
 from bole_tune.config import RING_ROUNDS, SHORT_RING_ROUNDS
 from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, PendingRing, gdn_gates, serial_verify,
                                tree_commit_layers, tree_conv, tree_conv_commit, tree_verify)
-from bole_tune.profiler import provenance
+from bole_tune.profiler import FLUSH_SECONDS, provenance
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
 from bole_tune.tree_attention import METHODS as ATTENTION_METHODS
@@ -412,15 +412,10 @@ def step_curve_entry(model: ModelProfile, points: list[StepPoint], context: int,
             "provenance": provenance(fp, METHOD)}
 
 
-STEP_CHECKPOINT_S = 30.0
-"""Seconds between the partial writes of a model's step curve while it is measured (each write parses and
-rewrites the whole database: about 1.6 s for the shipped H200 file)."""
-
-
 def measure_and_store(models=None, batches=None, tree_sizes=None, context: int = 4096,
                       repeats: int = 20, serial: bool = True, attention=("split",), db_dir=None,
                       replace_corrupt: bool = False,
-                      progress=None, checkpoint_s: float = STEP_CHECKPOINT_S) -> StepResult:
+                      progress=None, checkpoint_s: float = FLUSH_SECONDS) -> StepResult:
     """Measure the verification step of each model (`DEFAULT_MODELS` when None; names or profiles) on this
     machine's GPU, or its CPU without one, and store each model's curve in ``<db_dir>/<gpu>.yaml`` as soon
     as it is measured. ``progress(model, batch, tree_size, point)`` after each point. ``batches``,
