@@ -1,0 +1,399 @@
+"""Issue 17, B=16 64-node trees: the resident verify written in Gluon, its factors kept in shared memory.
+
+The shipped resident kernel (`kernels/verify/resident.py`) holds a head's 64 x 64 factors ``W`` and ``M`` in registers
+through its whole state stream: every tile compiles to 253-255 registers a thread, two 4-warp programs an SM, and the
+B=16 launch's 512 programs run in two waves of about 28 us each (B=8 29.5 us, B=16 57.1, B=32 110.2: time scales
+with waves). Triton's ``tl.dot`` decides where its operands live; Gluon lets a kernel say it. Here, in one 4-warp
+program per (value head, request), as the resident kernel's order (docs/math.md §3):
+
+- q and k rows of the tree go to shared memory once (bf16, ``[D_K / B_K, 64, B_K]``) and feed every wgmma from there:
+  the Gram products ``Q K^T`` and ``K K^T``, and the state products ``Q S^T`` and ``K S^T`` of every value tile;
+- the factors as the resident kernel's: ``logP``, the norms, ``G`` and ``C``; ``X = (I + G)^-1`` by level sweeps on
+  fp16 wgmma (``X`` through shared memory, ``G`` from registers), ``M = C X D_beta`` and ``W = X D_beta``, both
+  stored to shared memory as fp16 (the A operands of the readout) and dropped from registers;
+- ``S_pre`` streamed one ``[B_V, B_K]`` tile at a time (the next tile's load issued before the current tile's
+  products), split into two bf16 parts (``hi``, ``lo``: the shipped state split) in shared memory;
+- per value tile ``R' = V - a_k (K S^T)``, scaled by its largest magnitude into fp16 in shared memory, then
+  ``U = W R'`` and ``O = a_q (Q S^T) + M R'`` on fp16 wgmma (fp16 keeps tf32's 11 significant bits; the scale keeps
+  it in range).
+
+What it answers: with the factors out of the registers, how many programs share an SM (`--compile` reports registers
+and shared memory, compiled for sm_90 without a GPU) and whether that makes B=16 a single wave. Outputs are checked
+against the float64 reference (and the committed state of every request's deepest node) before anything is timed.
+
+    python3 lab/gluon_resident.py --compile [--b-v 64 --b-k 32]    # CPU: registers, spills, shared memory
+    python3 lab/gluon_resident.py [--json OUT] [--repeats 30]      # H200: check, then time against the shipped
+
+Only 16-bit inputs with L2-normalised q and k on trees of at most 64 nodes and depth at most 12 (the shipped planner's
+fp16-sweep conditions); no fold, no ring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from bole_tune.kernels.common import LOG_DECAY_FLOOR
+from bole_tune.kernels.verify.result import VerifyShape, result_buffers
+from bole_tune.shapes import HeadShape
+
+B_T = 64
+HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
+
+
+@gluon.jit
+def gluon_resident_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
+    offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
+    scale, H_V, H_K,
+    stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+    stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
+    stride_s_slot, stride_s_h, stride_s_v,
+    D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
+    G_FLOOR: gl.constexpr,
+    MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
+    QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    NK: gl.constexpr = D_K // B_K
+    NV: gl.constexpr = D_V // B_V
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROW_V: gl.constexpr = gl.SliceLayout(1, MMA_V)
+    COL_V: gl.constexpr = gl.SliceLayout(0, MMA_V)
+
+    i_h = gl.program_id(0).to(gl.int64)
+    i_r = gl.program_id(1).to(gl.int64)
+    group = H_V // H_K
+    i_hk = i_h // group
+    bos = gl.load(offsets_ptr + i_r).to(gl.int64)
+    num_nodes = gl.load(offsets_ptr + i_r + 1).to(gl.int64) - bos
+    slot = gl.load(state_indices_ptr + i_r).to(gl.int64)
+    gl.store(committed_ptr + i_r, 0, mask=i_h == 0)
+    write_keys = (i_h % group) == 0
+
+    # the first state tile is requested before anything else: its latency hides behind the factors
+    p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+    o_sv = gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_S))
+    o_sk = gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_S))
+    s_offsets = o_sv[:, None] * stride_s_v + o_sk[None, :]
+    b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
+
+    # q and k rows into shared memory, chunk by chunk; their squared norms; the raw keys for the commit
+    q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
+    k_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
+    o_t = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD))
+    m_t = o_t < num_nodes
+    p_q = q_ptr + bos * stride_q_n + i_hk * stride_q_h
+    p_k = k_ptr + bos * stride_k_n + i_hk * stride_k_h
+    p_kout = k_out_ptr + bos * (H_K * D_K) + i_hk * D_K
+    ssq_q = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
+    ssq_k = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
+    for c in gl.static_range(NK):
+        o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+        b_q = gl.load(p_q + o_t[:, None] * stride_q_n + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_k = gl.load(p_k + o_t[:, None] * stride_k_n + o_k[None, :], mask=m_t[:, None], other=0.0)
+        ssq_q += gl.sum(b_q.to(gl.float32) * b_q.to(gl.float32), axis=1)
+        ssq_k += gl.sum(b_k.to(gl.float32) * b_k.to(gl.float32), axis=1)
+        q_smem.index(c).store(b_q)
+        k_smem.index(c).store(b_k)
+        gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Gram products on bf16 wgmma, from shared memory
+    b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+    b_kk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+    for c in gl.static_range(NK):
+        b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
+        b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
+
+    # the tree's rows (i) and columns (j)
+    o_i = gl.arange(0, B_T, layout=ROW)
+    o_j = gl.arange(0, B_T, layout=COL)
+    m_i = o_i < num_nodes
+    m_j = o_j < num_nodes
+    enter_i = gl.load(dfs_enter_ptr + bos + o_i, mask=m_i, other=-1)
+    enter_j = gl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=-1)
+    exit_j = gl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-2)
+    beta_i = gl.load(beta_ptr + (bos + o_i) * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(gl.float32)
+    beta_j = gl.load(beta_ptr + (bos + o_j) * stride_beta_n + i_h * stride_beta_h, mask=m_j, other=0).to(gl.float32)
+    g_j = gl.maximum(gl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(gl.float32),
+                     G_FLOOR)
+    r_q_i = scale / gl.sqrt(gl.convert_layout(ssq_q, ROW) + 1e-6)
+    r_k_i = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, ROW) + 1e-6)
+    r_k_j = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, COL) + 1e-6)
+    m_anc = (enter_j[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_j[None, :])
+    logp_i = gl.sum(gl.where(m_anc, g_j[None, :], 0.0), axis=1)
+    logp_j = gl.convert_layout(logp_i, COL)
+    decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
+    b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
+    # G (negated) and C to shared memory as fp16 wgmma operands; after the sweeps their buffers take W and M
+    w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+    m_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+    x_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+    w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
+                          -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
+    m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
+
+    # X = (I + G)^-1 = I + Y by level sweeps Y <- -G (I + Y) (fp16 operands, fp32 accumulation; the diagonal of
+    # G X is 0: G links a node to its proper ancestors only, X a node to itself and its ancestors)
+    zeros_t = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+    b_y = zeros_t
+    num_sweeps = gl.load(block_depth_ptr + i_r)
+    for _ in range(num_sweeps):
+        gl.thread_barrier()
+        x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
+    gl.thread_barrier()
+    b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
+    x_smem.store(b_x.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
+    gl.thread_barrier()
+    w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
+    m_smem.store(b_m.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    b_decay = gl.exp(logp_i)
+    gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
+    gl.store(k_scale_ptr + (bos + o_i) * H_K + i_hk, r_k_i, mask=m_i & write_keys)
+    a_q = gl.convert_layout(b_decay * r_q_i, ROW_V)
+    a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
+
+    # the state stream: per value tile Q S^T and K S^T on the two bf16 parts of S, then the readout
+    s_smem = gl.allocate_shared_memory(gl.bfloat16, [2, B_V, B_K], S_SHARED)
+    r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
+    o_iv = gl.arange(0, B_T, layout=ROW_V)
+    p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
+    p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
+    p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
+    m_iv = o_iv < num_nodes
+    zeros_v = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
+    for t in gl.static_range(NV):
+        b_qs = zeros_v
+        b_ks = zeros_v
+        for c in gl.static_range(NK):
+            n = t * NK + c
+            # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
+            t_next = ((n + 1) % (NV * NK)) // NK
+            c_next = (n + 1) % NK
+            b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                               eviction_policy="evict_first")
+            b_hi = b_s.to(gl.bfloat16)
+            b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
+            gl.thread_barrier()
+            s_smem.index(0).store(b_hi)
+            s_smem.index(1).store(b_lo)
+            fence_async_shared()
+            gl.thread_barrier()
+            b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
+            b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
+            b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
+            b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
+            b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+            b_s = b_s_next
+        # readout of this value tile
+        o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
+        b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
+        b_r = b_v - a_k[:, None] * b_ks
+        r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
+        r_scale = gl.where(r_max > 0.0, r_max, 1.0)
+        gl.thread_barrier()
+        r_smem.store((b_r / r_scale).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        b_u = warpgroup_mma(w_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+        b_o = warpgroup_mma(m_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+        b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
+        b_u = b_u * r_scale
+        b_o = b_o * r_scale + a_q[:, None] * b_qs
+        out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
+        gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
+        gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+
+
+def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
+    """A coalesced layout for ``[rows, cols]`` loads: 16 bytes a thread along the row."""
+    vec = max(1, 16 // elem_bytes)
+    tpw_c = max(1, min(32, cols // vec))
+    return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
+
+
+def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4) -> dict:
+    """The kernel's layout constexprs for 16-bit inputs."""
+    g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_T, 16])
+    mma_v = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, b_v, 16])
+    return dict(
+        MMA=mma, MMA_V=mma_v,
+        LD=_blocked(B_T, b_k, 2, num_warps), LD_S=_blocked(b_v, b_k, 4, num_warps),
+        QK_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_k], g16),
+        X_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, B_T], gl.float16),
+        S_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.bfloat16),
+        R_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_v], gl.float16),
+    )
+
+
+def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None):
+    """(grid, args, meta, result) of one launch on checked-by-the-caller inputs."""
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if tree.max_tree_size > B_T:
+        raise ValueError(f"tree: the Gluon resident verify takes trees of at most {B_T} nodes")
+    scale = dk ** -0.5 if scale is None else scale
+    shape = VerifyShape(HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), n, tree.num_requests, state.shape[0], scale)
+    res = result_buffers(shape, q.dtype, q.device, tree, out)
+    block_depth, _ = tree.block_depths(B_T)
+    sq, sk, sv, sg, sb, ss = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), state.stride()
+    args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed,
+            scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
+    meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, **layouts(q.dtype, b_k, b_v),
+                num_warps=4)
+    return (hv, tree.num_requests), args, meta, res
+
+
+def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
+                 b_v: int = 64, maxnreg: int | None = None, out=None):
+    """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
+    grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    gluon_resident_kernel[grid](*args, **meta)
+    return res
+
+
+CASES = [16, 8, 32]  # batches of 64-node random trees of depth <= 8, 9B heads, bf16
+CANDIDATES = [(32, 32, 168), (32, 32, None), (32, 64, None), (32, 32, 128), (64, 32, 168), (32, 64, 168)]
+
+
+def errors(bench, verify) -> tuple[float, float]:
+    """(outputs, committed state) relative errors of ``verify`` on the bench's reference instance against float64:
+    the outputs, and the pool a commit of every request's deepest node leaves (so ``u``, logP and the keys too)."""
+    from bole_tune.kernels import tree_commit
+    from bole_tune.kernels.reference import verify_reference
+    from bole_tune.workloads import relative_error
+
+    tree, x, _ = bench.reference()
+    ref = verify_reference(*x.args(tree), keep_states=True)
+    res = verify(*x.args(tree), validate=False)
+    accepted = bench.deepest(tree)
+    pool = x.state.clone()
+    tree_commit(pool, x.state_indices, res, accepted, validate=False)
+    want = ref.committed(x.state, x.state_indices, tree, accepted)
+    return relative_error(res.o, ref.o), relative_error(pool, want)
+
+
+def gpu_run(repeats: int, only_batch=None) -> list[dict]:
+    import functools
+
+    from bole_tune.bench import BenchCase, CaseBench
+    from bole_tune.kernels import tree_verify
+    from bole_tune.kernels.verify.self_check import accepted_error
+
+    bound = accepted_error(torch.bfloat16)
+    rows = []
+    for batch in [b for b in CASES if not only_batch or b in only_batch]:
+        bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
+        shipped = bench.launch()
+        row = {"batch": batch, "shipped": f"{shipped.variant} {shipped.config}", "runs": []}
+        launch = functools.partial(tree_verify, launch=shipped)
+        e_o, e_s = errors(bench, launch)
+        timing, _ = bench.time_verify(tree_verify, shipped, repeats=repeats)
+        row["shipped_us"], row["shipped_error"], row["shipped_state_error"] = timing.p50_us, e_o, e_s
+        print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
+              flush=True)
+        for b_k, b_v, cap in CANDIDATES:
+            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap}
+            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap)
+            try:
+                entry["error"], entry["state_error"] = errors(bench, verify)
+                if max(entry["error"], entry["state_error"]) <= bound:
+                    entry["us"] = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
+                else:
+                    entry["status"] = "wrong: not timed"
+            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+            print(f"    gluon {b_k}/{b_v}/4 cap {cap}: {entry}", flush=True)
+            row["runs"].append(entry)
+        rows.append(row)
+        del bench
+        torch.cuda.empty_cache()
+    return rows
+
+
+def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None) -> dict:
+    """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    from bole_tune.binaries import binary_report
+    from bole_tune.workloads import make_tree
+    from bole_tune.workloads import make_inputs
+
+    tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
+    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
+    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    fn = gluon_resident_kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    report = binary_report(compiled)
+    report.pop("ops", None)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile", action="store_true", help="compile for sm_90 here and report registers")
+    parser.add_argument("--b-k", type=int, default=32)
+    parser.add_argument("--b-v", type=int, default=64)
+    parser.add_argument("--maxnreg", type=int, help="--compile: cap the registers a thread at this")
+    parser.add_argument("--json")
+    parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    if args.compile:
+        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg)))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("no GPU here: run --compile, or on the H200")
+    rows = gpu_run(args.repeats, args.batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n| 9B verify, us (errors o / state) | " + " | ".join(f"B={r['batch']} T=64" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
+                                      for r in rows) + " |")
+    for i, (b_k, b_v, cap) in enumerate(CANDIDATES):
+        cells = []
+        for r in rows:
+            e = r["runs"][i]
+            cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
+                         else e.get("status", "-")[:60])
+        print(f"| gluon {b_k}/{b_v}/4 cap {cap} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
