@@ -58,7 +58,7 @@ def gluon_resident_kernel(
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
     stride_s_slot, stride_s_h, stride_s_v,
     D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
-    G_FLOOR: gl.constexpr,
+    G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -174,7 +174,11 @@ def gluon_resident_kernel(
 
     # the state stream: per value tile Q S^T and K S^T on the two bf16 parts of S, then the readout
     s_smem = gl.allocate_shared_memory(gl.bfloat16, [2, B_V, B_K], S_SHARED)
-    r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
+    if ALIAS_R:  # R' takes the state parts' bytes (written after the tile's products, read before the next tile's)
+        gl.static_assert(2 * B_V * B_K == B_T * B_V, "ALIAS_R: the state parts and R' must be the same size")
+        r_smem = s_smem._reinterpret(gl.float16, [B_T, B_V], R_SHARED)
+    else:
+        r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
     o_iv = gl.arange(0, B_T, layout=ROW_V)
     p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
     p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
@@ -246,7 +250,8 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4) -> dict:
     )
 
 
-def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None):
+def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
+                alias_r: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -260,15 +265,16 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
-    meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, **layouts(q.dtype, b_k, b_v),
+    meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r,
+                **layouts(q.dtype, b_k, b_v),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
 
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
-                 b_v: int = 64, maxnreg: int | None = None, out=None):
+                 b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
-    grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out)
+    grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     gluon_resident_kernel[grid](*args, **meta)
@@ -276,7 +282,16 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
 
 
 CASES = [16, 8, 32]  # batches of 64-node random trees of depth <= 8, 9B heads, bf16
-CANDIDATES = [(32, 32, 168), (32, 32, None), (32, 64, None), (32, 32, 128), (64, 32, 168), (32, 64, 168)]
+# (b_k, b_v, register cap, R' aliased on the state parts); sm_90 compiles (`--compile`): registers, stack bytes,
+# shared memory -> programs per SM
+CANDIDATES = [
+    (32, 32, 128, True),   # 128, 288 B spilled, 57344 B: 4 programs an SM
+    (32, 32, 168, True),   # 168, none, 57344 B: 3
+    (32, 32, None, False),  # 208, none, 57360 B: 2
+    (32, 32, 168, False),  # 168, none, 57360 B: 3
+    (64, 32, 168, False),  # 168, none, 61456 B: 3
+    (32, 64, None, False),  # 255, none, 65552 B: 2
+]
 
 
 def errors(bench, verify) -> tuple[float, float]:
@@ -315,9 +330,9 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
         row["shipped_us"], row["shipped_error"], row["shipped_state_error"] = timing.p50_us, e_o, e_s
         print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
               flush=True)
-        for b_k, b_v, cap in CANDIDATES:
-            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap}
-            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap)
+        for b_k, b_v, cap, alias in CANDIDATES:
+            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap, "alias_r": alias}
+            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap, alias_r=alias)
             try:
                 entry["error"], entry["state_error"] = errors(bench, verify)
                 if max(entry["error"], entry["state_error"]) <= bound:
@@ -326,7 +341,7 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
                     entry["status"] = "wrong: not timed"
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(f"    gluon {b_k}/{b_v}/4 cap {cap}: {entry}", flush=True)
+            print(f"    gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}: {entry}", flush=True)
             row["runs"].append(entry)
         rows.append(row)
         del bench
@@ -334,7 +349,7 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
     return rows
 
 
-def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None) -> dict:
+def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False) -> dict:
     """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -347,7 +362,7 @@ def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = No
 
     tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
     x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
-    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v)
+    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     target = GPUTarget("cuda", 90, 32)
@@ -369,12 +384,13 @@ def main() -> None:
     parser.add_argument("--b-k", type=int, default=32)
     parser.add_argument("--b-v", type=int, default=64)
     parser.add_argument("--maxnreg", type=int, help="--compile: cap the registers a thread at this")
+    parser.add_argument("--alias-r", action="store_true", help="--compile: R' in the state parts' shared memory")
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.compile:
-        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg)))
+        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r)))
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
@@ -386,13 +402,13 @@ def main() -> None:
     print("|---|" + "---|" * len(rows))
     print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
                                       for r in rows) + " |")
-    for i, (b_k, b_v, cap) in enumerate(CANDIDATES):
+    for i, (b_k, b_v, cap, alias) in enumerate(CANDIDATES):
         cells = []
         for r in rows:
             e = r["runs"][i]
             cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
                          else e.get("status", "-")[:60])
-        print(f"| gluon {b_k}/{b_v}/4 cap {cap} | " + " | ".join(cells) + " |")
+        print(f"| gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
