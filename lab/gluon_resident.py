@@ -58,7 +58,7 @@ def gluon_resident_kernel(
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
     stride_s_slot, stride_s_h, stride_s_v,
     D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
-    G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr,
+    G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -172,60 +172,106 @@ def gluon_resident_kernel(
     a_q = gl.convert_layout(b_decay * r_q_i, ROW_V)
     a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
 
-    # the state stream: per value tile Q S^T and K S^T on the two bf16 parts of S, then the readout
-    s_smem = gl.allocate_shared_memory(gl.bfloat16, [2, B_V, B_K], S_SHARED)
-    if ALIAS_R:  # R' takes the state parts' bytes (written after the tile's products, read before the next tile's)
-        gl.static_assert(2 * B_V * B_K == B_T * B_V, "ALIAS_R: the state parts and R' must be the same size")
-        r_smem = s_smem._reinterpret(gl.float16, [B_T, B_V], R_SHARED)
+    if ROWS:
+        # the products the other way round, S Q^T and S K^T as [B_V, B_T] tiles: the state tile (its two bf16
+        # parts) is the wgmma's A operand straight from registers, q and k its B operands in shared memory, so a
+        # state tile never goes through shared memory and the stream has no barrier; R'^T is the readout's A
+        # operand from registers the same way, W^T and M^T (the stored W and M, transposed views) its B operands
+        gl.static_assert(B_V == B_T, "ROWS: one 64-row value tile a product")
+        o_vr = gl.arange(0, B_V, layout=ROW)
+        o_n = gl.arange(0, B_T, layout=COL)
+        m_n = o_n < num_nodes
+        a_qn = gl.convert_layout(b_decay * r_q_i, COL)
+        a_kn = gl.convert_layout(b_decay * r_k_i, COL)
+        p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
+        p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
+        p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
+        zeros_t2 = gl.zeros([B_V, B_T], gl.float32, layout=MMA)
+        for t in gl.static_range(NV):
+            b_qs = zeros_t2
+            b_ks = zeros_t2
+            for c in gl.static_range(NK):
+                n = t * NK + c
+                t_next = ((n + 1) % (NV * NK)) // NK
+                c_next = (n + 1) % NK
+                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                   eviction_policy="evict_first")
+                b_hi = b_s.to(gl.bfloat16)
+                b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
+                b_qs = warpgroup_mma(b_hi, q_smem.index(c).permute((1, 0)), b_qs, is_async=True)
+                b_qs = warpgroup_mma(b_lo, q_smem.index(c).permute((1, 0)), b_qs, is_async=True)
+                b_ks = warpgroup_mma(b_hi, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
+                b_ks = warpgroup_mma(b_lo, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
+                b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+                b_s = b_s_next
+            o_vv = t * B_V + o_vr
+            b_v = gl.load(p_v + o_vv[:, None] + o_n[None, :] * stride_v_n, mask=m_n[None, :], other=0.0)
+            b_r = b_v.to(gl.float32) - b_ks * a_kn[None, :]
+            r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
+            r_scale = gl.where(r_max > 0.0, r_max, 1.0)
+            b_r16 = gl.convert_layout((b_r / r_scale).to(gl.float16), LD_S)
+            # O^T = (Q S^T)^T a_q + R'^T M^T, accumulated in place on the scaled products
+            b_o = warpgroup_mma(b_r16, m_smem.permute((1, 0)), b_qs * (a_qn / r_scale)[None, :], is_async=True)
+            b_u = warpgroup_mma(b_r16, w_smem.permute((1, 0)), zeros_t2, use_acc=False, is_async=True)
+            b_o, b_u = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_u))
+            out_offsets = o_vv[:, None] + o_n[None, :] * (H_V * D_V)
+            gl.store(p_u + out_offsets, b_u * r_scale, mask=m_n[None, :])
+            gl.store(p_o + out_offsets, (b_o * r_scale).to(o_ptr.dtype.element_ty), mask=m_n[None, :])
     else:
-        r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
-    o_iv = gl.arange(0, B_T, layout=ROW_V)
-    p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
-    p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
-    p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
-    m_iv = o_iv < num_nodes
-    zeros_v = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
-    for t in gl.static_range(NV):
-        b_qs = zeros_v
-        b_ks = zeros_v
-        for c in gl.static_range(NK):
-            n = t * NK + c
-            # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
-            t_next = ((n + 1) % (NV * NK)) // NK
-            c_next = (n + 1) % NK
-            b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                               eviction_policy="evict_first")
-            b_hi = b_s.to(gl.bfloat16)
-            b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
+        # the state stream: per value tile Q S^T and K S^T on the two bf16 parts of S, then the readout
+        s_smem = gl.allocate_shared_memory(gl.bfloat16, [2, B_V, B_K], S_SHARED)
+        if ALIAS_R:  # R' takes the state parts' bytes (written after the tile's products, read before the next tile's)
+            gl.static_assert(2 * B_V * B_K == B_T * B_V, "ALIAS_R: the state parts and R' must be the same size")
+            r_smem = s_smem._reinterpret(gl.float16, [B_T, B_V], R_SHARED)
+        else:
+            r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
+        o_iv = gl.arange(0, B_T, layout=ROW_V)
+        p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
+        p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
+        p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
+        m_iv = o_iv < num_nodes
+        zeros_v = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
+        for t in gl.static_range(NV):
+            b_qs = zeros_v
+            b_ks = zeros_v
+            for c in gl.static_range(NK):
+                n = t * NK + c
+                # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
+                t_next = ((n + 1) % (NV * NK)) // NK
+                c_next = (n + 1) % NK
+                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                   eviction_policy="evict_first")
+                b_hi = b_s.to(gl.bfloat16)
+                b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
+                gl.thread_barrier()
+                s_smem.index(0).store(b_hi)
+                s_smem.index(1).store(b_lo)
+                fence_async_shared()
+                gl.thread_barrier()
+                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
+                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
+                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
+                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
+                b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+                b_s = b_s_next
+            # readout of this value tile
+            o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
+            b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
+            b_r = b_v - a_k[:, None] * b_ks
+            r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
+            r_scale = gl.where(r_max > 0.0, r_max, 1.0)
             gl.thread_barrier()
-            s_smem.index(0).store(b_hi)
-            s_smem.index(1).store(b_lo)
+            r_smem.store((b_r / r_scale).to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
-            b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
-            b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
-            b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
-            b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
-            b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-            b_s = b_s_next
-        # readout of this value tile
-        o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
-        b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
-        b_r = b_v - a_k[:, None] * b_ks
-        r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
-        r_scale = gl.where(r_max > 0.0, r_max, 1.0)
-        gl.thread_barrier()
-        r_smem.store((b_r / r_scale).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_u = warpgroup_mma(w_smem, r_smem, zeros_v, use_acc=False, is_async=True)
-        b_o = warpgroup_mma(m_smem, r_smem, zeros_v, use_acc=False, is_async=True)
-        b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
-        b_u = b_u * r_scale
-        b_o = b_o * r_scale + a_q[:, None] * b_qs
-        out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
-        gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
-        gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+            b_u = warpgroup_mma(w_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+            b_o = warpgroup_mma(m_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+            b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
+            b_u = b_u * r_scale
+            b_o = b_o * r_scale + a_q[:, None] * b_qs
+            out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
+            gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
+            gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
 
 
 def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
@@ -235,14 +281,15 @@ def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.Blocke
     return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
 
 
-def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4) -> dict:
-    """The kernel's layout constexprs for 16-bit inputs."""
+def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bool = False) -> dict:
+    """The kernel's layout constexprs for 16-bit inputs (``rows``: the state tiles loaded as wgmma A operands)."""
     g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_T, 16])
     mma_v = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, b_v, 16])
     return dict(
         MMA=mma, MMA_V=mma_v,
-        LD=_blocked(B_T, b_k, 2, num_warps), LD_S=_blocked(b_v, b_k, 4, num_warps),
+        LD=_blocked(B_T, b_k, 2, num_warps),
+        LD_S=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2) if rows else _blocked(b_v, b_k, 4, num_warps),
         QK_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_k], g16),
         X_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, B_T], gl.float16),
         S_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.bfloat16),
@@ -251,7 +298,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4) -> dict:
 
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
-                alias_r: bool = False):
+                alias_r: bool = False, rows: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -265,16 +312,17 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
-    meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r,
-                **layouts(q.dtype, b_k, b_v),
+    meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
+                **layouts(q.dtype, b_k, b_v, rows=rows),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
 
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
-                 b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, out=None):
+                 b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
-    grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r)
+    grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
+                                        rows)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     gluon_resident_kernel[grid](*args, **meta)
@@ -285,12 +333,13 @@ CASES = [16, 8, 32]  # batches of 64-node random trees of depth <= 8, 9B heads, 
 # (b_k, b_v, register cap, R' aliased on the state parts); sm_90 compiles (`--compile`): registers, stack bytes,
 # shared memory -> programs per SM
 CANDIDATES = [
-    (32, 32, 128, True),   # 128, 288 B spilled, 57344 B: 4 programs an SM
-    (32, 32, 168, True),   # 168, none, 57344 B: 3
-    (32, 32, None, False),  # 208, none, 57360 B: 2
-    (32, 32, 168, False),  # 168, none, 57360 B: 3
-    (64, 32, 168, False),  # 168, none, 61456 B: 3
-    (32, 64, None, False),  # 255, none, 65552 B: 2
+    (32, 32, 128, True, False),   # 128, 288 B spilled, 57344 B: 4 programs an SM
+    (32, 32, 168, True, False),   # 168, none, 57344 B: 3
+    (64, 32, 168, False, False),  # 168, none, 61456 B: 3
+    (32, 64, None, False, False),  # 255, none, 65552 B: 2
+    (16, 64, None, False, True),  # rows: 255, 88 B spilled, 57344 B: 2
+    (32, 64, None, False, True),  # rows: 255, 152 B spilled: 2
+    (32, 64, 168, False, True),   # rows: 168, 700 B spilled: 3
 ]
 
 
@@ -330,9 +379,9 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
         row["shipped_us"], row["shipped_error"], row["shipped_state_error"] = timing.p50_us, e_o, e_s
         print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
               flush=True)
-        for b_k, b_v, cap, alias in CANDIDATES:
-            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap, "alias_r": alias}
-            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap, alias_r=alias)
+        for b_k, b_v, cap, alias, rows_first in CANDIDATES:
+            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap, "alias_r": alias, "rows": rows_first}
+            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap, alias_r=alias, rows=rows_first)
             try:
                 entry["error"], entry["state_error"] = errors(bench, verify)
                 if max(entry["error"], entry["state_error"]) <= bound:
@@ -341,7 +390,8 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
                     entry["status"] = "wrong: not timed"
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(f"    gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}: {entry}", flush=True)
+            print(f"    gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}{' rows' if rows_first else ''}: {entry}",
+                  flush=True)
             row["runs"].append(entry)
         rows.append(row)
         del bench
@@ -349,7 +399,8 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
     return rows
 
 
-def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False) -> dict:
+def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False,
+                   rows: bool = False) -> dict:
     """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -362,7 +413,7 @@ def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = No
 
     tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
     x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
-    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r)
+    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     target = GPUTarget("cuda", 90, 32)
@@ -385,12 +436,13 @@ def main() -> None:
     parser.add_argument("--b-v", type=int, default=64)
     parser.add_argument("--maxnreg", type=int, help="--compile: cap the registers a thread at this")
     parser.add_argument("--alias-r", action="store_true", help="--compile: R' in the state parts' shared memory")
+    parser.add_argument("--rows", action="store_true", help="--compile: the products as S Q^T, the state from registers")
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.compile:
-        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r)))
+        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows)))
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
@@ -402,13 +454,14 @@ def main() -> None:
     print("|---|" + "---|" * len(rows))
     print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
                                       for r in rows) + " |")
-    for i, (b_k, b_v, cap, alias) in enumerate(CANDIDATES):
+    for i, (b_k, b_v, cap, alias, rows_first) in enumerate(CANDIDATES):
         cells = []
         for r in rows:
             e = r["runs"][i]
             cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
                          else e.get("status", "-")[:60])
-        print(f"| gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''} | " + " | ".join(cells) + " |")
+        name = f"{b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}{' rows' if rows_first else ''}"
+        print(f"| gluon {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
