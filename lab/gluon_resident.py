@@ -38,7 +38,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bole_tune.kernels.common import LOG_DECAY_FLOOR
 from bole_tune.kernels.verify.result import VerifyShape, result_buffers
@@ -52,13 +54,14 @@ HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 def gluon_resident_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
-    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc,
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
     stride_s_slot, stride_s_h, stride_s_v,
     D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
-    G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr,
+    G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr, TMA_STAGES: gl.constexpr,
+    S32_SHARED: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -85,7 +88,21 @@ def gluon_resident_kernel(
     o_sv = gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_S))
     o_sk = gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_S))
     s_offsets = o_sv[:, None] * stride_s_v + o_sk[None, :]
-    b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
+    if TMA_STAGES > 0:
+        # a ring of TMA_STAGES state tiles in shared memory, the first TMA_STAGES requested now (they arrive while
+        # the factors are worked out), each later one as soon as its stage is read
+        s_ring = gl.allocate_shared_memory(gl.float32, [TMA_STAGES, B_V, B_K], S32_SHARED)
+        s_bars = gl.allocate_shared_memory(gl.int64, [TMA_STAGES, 1], mbarrier.MBarrierLayout())
+        s_row = ((slot * H_V + i_h) * D_V).to(gl.int32)
+        for i in gl.static_range(TMA_STAGES):
+            mbarrier.init(s_bars.index(i), count=1)
+        for i in gl.static_range(TMA_STAGES):
+            if i < (D_V // B_V) * (D_K // B_K):
+                mbarrier.expect(s_bars.index(i), B_V * B_K * 4)
+                tma.async_copy_global_to_shared(s_desc, [s_row + (i // (D_K // B_K)) * B_V, (i % (D_K // B_K)) * B_K],
+                                                s_bars.index(i), s_ring.index(i))
+    else:
+        b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
 
     # q and k rows into shared memory, chunk by chunk; their squared norms; the raw keys for the commit
     q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
@@ -192,10 +209,21 @@ def gluon_resident_kernel(
             b_ks = zeros_t2
             for c in gl.static_range(NK):
                 n = t * NK + c
-                t_next = ((n + 1) % (NV * NK)) // NK
-                c_next = (n + 1) % NK
-                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                                   eviction_policy="evict_first")
+                if TMA_STAGES > 0:
+                    mbarrier.wait(s_bars.index(n % TMA_STAGES), (n // TMA_STAGES) % 2)
+                    b_s = s_ring.index(n % TMA_STAGES).load(LD_S)
+                    if n + TMA_STAGES < NV * NK:
+                        gl.thread_barrier()
+                        fence_async_shared()
+                        mbarrier.expect(s_bars.index(n % TMA_STAGES), B_V * B_K * 4)
+                        tma.async_copy_global_to_shared(
+                            s_desc, [s_row + ((n + TMA_STAGES) // NK) * B_V, ((n + TMA_STAGES) % NK) * B_K],
+                            s_bars.index(n % TMA_STAGES), s_ring.index(n % TMA_STAGES))
+                else:
+                    t_next = ((n + 1) % (NV * NK)) // NK
+                    c_next = (n + 1) % NK
+                    b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                       eviction_policy="evict_first")
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 b_qs = warpgroup_mma(b_hi, q_smem.index(c).permute((1, 0)), b_qs, is_async=True)
@@ -203,7 +231,8 @@ def gluon_resident_kernel(
                 b_ks = warpgroup_mma(b_hi, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
                 b_ks = warpgroup_mma(b_lo, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
                 b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-                b_s = b_s_next
+                if TMA_STAGES == 0:
+                    b_s = b_s_next
             o_vv = t * B_V + o_vr
             b_v = gl.load(p_v + o_vv[:, None] + o_n[None, :] * stride_v_n, mask=m_n[None, :], other=0.0)
             b_r = b_v.to(gl.float32) - b_ks * a_kn[None, :]
@@ -236,11 +265,22 @@ def gluon_resident_kernel(
             b_ks = zeros_v
             for c in gl.static_range(NK):
                 n = t * NK + c
-                # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
-                t_next = ((n + 1) % (NV * NK)) // NK
-                c_next = (n + 1) % NK
-                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                                   eviction_policy="evict_first")
+                if TMA_STAGES > 0:
+                    mbarrier.wait(s_bars.index(n % TMA_STAGES), (n // TMA_STAGES) % 2)
+                    b_s = s_ring.index(n % TMA_STAGES).load(LD_S)
+                    if n + TMA_STAGES < NV * NK:
+                        gl.thread_barrier()
+                        fence_async_shared()
+                        mbarrier.expect(s_bars.index(n % TMA_STAGES), B_V * B_K * 4)
+                        tma.async_copy_global_to_shared(
+                            s_desc, [s_row + ((n + TMA_STAGES) // NK) * B_V, ((n + TMA_STAGES) % NK) * B_K],
+                            s_bars.index(n % TMA_STAGES), s_ring.index(n % TMA_STAGES))
+                else:
+                    # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
+                    t_next = ((n + 1) % (NV * NK)) // NK
+                    c_next = (n + 1) % NK
+                    b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                       eviction_policy="evict_first")
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 gl.thread_barrier()
@@ -253,7 +293,8 @@ def gluon_resident_kernel(
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
                 b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-                b_s = b_s_next
+                if TMA_STAGES == 0:
+                    b_s = b_s_next
             # readout of this value tile
             o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
             b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
@@ -298,7 +339,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
-                alias_r: bool = False, rows: bool = False):
+                alias_r: bool = False, rows: bool = False, tma_stages: int = 0):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -309,20 +350,27 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     res = result_buffers(shape, q.dtype, q.device, tree, out)
     block_depth, _ = tree.block_depths(B_T)
     sq, sk, sv, sg, sb, ss = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), state.stride()
+    if not state.is_contiguous():
+        raise ValueError("state: the lab's TMA descriptor wants a contiguous pool")
+    s32 = gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.float32)
+    pool = state.view(-1, dk)
+    s_desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [b_v, b_k], s32)
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed,
+            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
+                TMA_STAGES=tma_stages, S32_SHARED=s32,
                 **layouts(q.dtype, b_k, b_v, rows=rows),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
 
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
-                 b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False, out=None):
+                 b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
+                 tma_stages: int = 0, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows)
+                                        rows, tma_stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     gluon_resident_kernel[grid](*args, **meta)
@@ -330,16 +378,17 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
 
 
 CASES = [16, 8, 32]  # batches of 64-node random trees of depth <= 8, 9B heads, bf16
-# (b_k, b_v, register cap, R' aliased on the state parts); sm_90 compiles (`--compile`): registers, stack bytes,
-# shared memory -> programs per SM
+# launch options (`gluon_verify`); sm_90 compiles (`--compile`, B=16): registers, stack bytes, shared memory ->
+# programs per SM
 CANDIDATES = [
-    (32, 32, 128, True, False),   # 128, 288 B spilled, 57344 B: 4 programs an SM
-    (32, 32, 168, True, False),   # 168, none, 57344 B: 3
-    (64, 32, 168, False, False),  # 168, none, 61456 B: 3
-    (32, 64, None, False, False),  # 255, none, 65552 B: 2
-    (16, 64, None, False, True),  # rows: 255, 88 B spilled, 57344 B: 2
-    (32, 64, None, False, True),  # rows: 255, 152 B spilled: 2
-    (32, 64, 168, False, True),   # rows: 168, 700 B spilled: 3
+    dict(b_k=32, b_v=64),                        # 255, none, 65552 B: 2 (the best of the first two runs)
+    dict(b_k=32, b_v=64, tma_stages=4),          # 205, none, 98448 B: 2
+    dict(b_k=32, b_v=64, tma_stages=5),          # 2
+    dict(b_k=32, b_v=64, tma_stages=8),          # 202, none, 131216 B: 1 (the whole state in flight)
+    dict(b_k=32, b_v=32, tma_stages=4, maxnreg=168),  # 73872 B: 3
+    dict(b_k=32, b_v=32, tma_stages=8, maxnreg=168),  # 2
+    dict(b_k=64, b_v=32, tma_stages=4),          # 2
+    dict(b_k=32, b_v=64, tma_stages=4, rows=True),  # 255, 96 B spilled, 90144 B: 2
 ]
 
 
@@ -379,9 +428,9 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
         row["shipped_us"], row["shipped_error"], row["shipped_state_error"] = timing.p50_us, e_o, e_s
         print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
               flush=True)
-        for b_k, b_v, cap, alias, rows_first in CANDIDATES:
-            entry = {"b_k": b_k, "b_v": b_v, "maxnreg": cap, "alias_r": alias, "rows": rows_first}
-            verify = functools.partial(gluon_verify, b_k=b_k, b_v=b_v, maxnreg=cap, alias_r=alias, rows=rows_first)
+        for options in CANDIDATES:
+            entry = dict(options)
+            verify = functools.partial(gluon_verify, **options)
             try:
                 entry["error"], entry["state_error"] = errors(bench, verify)
                 if max(entry["error"], entry["state_error"]) <= bound:
@@ -390,8 +439,7 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
                     entry["status"] = "wrong: not timed"
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(f"    gluon {b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}{' rows' if rows_first else ''}: {entry}",
-                  flush=True)
+            print(f"    gluon {entry}", flush=True)
             row["runs"].append(entry)
         rows.append(row)
         del bench
@@ -400,7 +448,7 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
 
 
 def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False,
-                   rows: bool = False) -> dict:
+                   rows: bool = False, tma_stages: int = 0) -> dict:
     """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -413,7 +461,8 @@ def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = No
 
     tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
     x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
-    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows)
+    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows,
+                                      tma_stages=tma_stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     target = GPUTarget("cuda", 90, 32)
@@ -437,12 +486,14 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, help="--compile: cap the registers a thread at this")
     parser.add_argument("--alias-r", action="store_true", help="--compile: R' in the state parts' shared memory")
     parser.add_argument("--rows", action="store_true", help="--compile: the products as S Q^T, the state from registers")
+    parser.add_argument("--tma", type=int, default=0, help="--compile: state tiles through a TMA ring of this many stages")
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.compile:
-        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows)))
+        print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows,
+                                            tma_stages=args.tma)))
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
@@ -454,13 +505,13 @@ def main() -> None:
     print("|---|" + "---|" * len(rows))
     print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
                                       for r in rows) + " |")
-    for i, (b_k, b_v, cap, alias, rows_first) in enumerate(CANDIDATES):
+    for i, options in enumerate(CANDIDATES):
         cells = []
         for r in rows:
             e = r["runs"][i]
             cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
                          else e.get("status", "-")[:60])
-        name = f"{b_k}/{b_v}/4 cap {cap}{' alias' if alias else ''}{' rows' if rows_first else ''}"
+        name = " ".join(f"{k}={v}" for k, v in options.items())
         print(f"| gluon {name} | " + " | ".join(cells) + " |")
 
 
