@@ -101,7 +101,11 @@ def gluon_resident_kernel(
                 mbarrier.expect(s_bars.index(i), B_V * B_K * 4)
                 tma.async_copy_global_to_shared(s_desc, [s_row + (i // (D_K // B_K)) * B_V, (i % (D_K // B_K)) * B_K],
                                                 s_bars.index(i), s_ring.index(i))
+        b_s = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)  # unused: every tile comes from the ring
     else:
+        s_ring = 0  # unused without the ring (`state_tile`)
+        s_bars = 0
+        s_row = 0
         b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
 
     # q and k rows into shared memory, chunk by chunk; their squared norms; the raw keys for the commit
@@ -209,21 +213,8 @@ def gluon_resident_kernel(
             b_ks = zeros_t2
             for c in gl.static_range(NK):
                 n = t * NK + c
-                if TMA_STAGES > 0:
-                    mbarrier.wait(s_bars.index(n % TMA_STAGES), (n // TMA_STAGES) % 2)
-                    b_s = s_ring.index(n % TMA_STAGES).load(LD_S)
-                    if n + TMA_STAGES < NV * NK:
-                        gl.thread_barrier()
-                        fence_async_shared()
-                        mbarrier.expect(s_bars.index(n % TMA_STAGES), B_V * B_K * 4)
-                        tma.async_copy_global_to_shared(
-                            s_desc, [s_row + ((n + TMA_STAGES) // NK) * B_V, ((n + TMA_STAGES) % NK) * B_K],
-                            s_bars.index(n % TMA_STAGES), s_ring.index(n % TMA_STAGES))
-                else:
-                    t_next = ((n + 1) % (NV * NK)) // NK
-                    c_next = (n + 1) % NK
-                    b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                                       eviction_policy="evict_first")
+                b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
+                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S)
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 b_qs = warpgroup_mma(b_hi, q_smem.index(c).permute((1, 0)), b_qs, is_async=True)
@@ -231,8 +222,7 @@ def gluon_resident_kernel(
                 b_ks = warpgroup_mma(b_hi, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
                 b_ks = warpgroup_mma(b_lo, k_smem.index(c).permute((1, 0)), b_ks, is_async=True)
                 b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-                if TMA_STAGES == 0:
-                    b_s = b_s_next
+                b_s = b_s_next
             o_vv = t * B_V + o_vr
             b_v = gl.load(p_v + o_vv[:, None] + o_n[None, :] * stride_v_n, mask=m_n[None, :], other=0.0)
             b_r = b_v.to(gl.float32) - b_ks * a_kn[None, :]
@@ -265,22 +255,8 @@ def gluon_resident_kernel(
             b_ks = zeros_v
             for c in gl.static_range(NK):
                 n = t * NK + c
-                if TMA_STAGES > 0:
-                    mbarrier.wait(s_bars.index(n % TMA_STAGES), (n // TMA_STAGES) % 2)
-                    b_s = s_ring.index(n % TMA_STAGES).load(LD_S)
-                    if n + TMA_STAGES < NV * NK:
-                        gl.thread_barrier()
-                        fence_async_shared()
-                        mbarrier.expect(s_bars.index(n % TMA_STAGES), B_V * B_K * 4)
-                        tma.async_copy_global_to_shared(
-                            s_desc, [s_row + ((n + TMA_STAGES) // NK) * B_V, ((n + TMA_STAGES) % NK) * B_K],
-                            s_bars.index(n % TMA_STAGES), s_ring.index(n % TMA_STAGES))
-                else:
-                    # the next tile's load, before this tile's products (the last tile's wraps to the first: unused)
-                    t_next = ((n + 1) % (NV * NK)) // NK
-                    c_next = (n + 1) % NK
-                    b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                                       eviction_policy="evict_first")
+                b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
+                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S)
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 gl.thread_barrier()
@@ -293,8 +269,7 @@ def gluon_resident_kernel(
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
                 b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-                if TMA_STAGES == 0:
-                    b_s = b_s_next
+                b_s = b_s_next
             # readout of this value tile
             o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
             b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
@@ -313,6 +288,32 @@ def gluon_resident_kernel(
             out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
             gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
             gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+
+
+@gluon.jit
+def state_tile(n: gl.constexpr, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
+               NUM_TILES: gl.constexpr, NK: gl.constexpr, B_V: gl.constexpr, B_K: gl.constexpr,
+               TMA_STAGES: gl.constexpr, LD_S: gl.constexpr):
+    """State tile ``n`` of the stream (value tile ``n // NK``, key chunk ``n % NK``) and the register tile to carry to
+    the next: with ``TMA_STAGES`` tile ``n`` read from its ring stage once it has arrived, and tile ``n + TMA_STAGES``
+    requested into that stage; without, ``b_s`` (loaded a tile earlier) and the next tile's load, issued before this
+    tile's products (the last tile's wraps to the first: unused). Returns (tile n, carried tile)."""
+    if TMA_STAGES > 0:
+        mbarrier.wait(s_bars.index(n % TMA_STAGES), (n // TMA_STAGES) % 2)
+        b_s = s_ring.index(n % TMA_STAGES).load(LD_S)
+        if n + TMA_STAGES < NUM_TILES:
+            gl.thread_barrier()
+            fence_async_shared()
+            mbarrier.expect(s_bars.index(n % TMA_STAGES), B_V * B_K * 4)
+            tma.async_copy_global_to_shared(
+                s_desc, [s_row + ((n + TMA_STAGES) // NK) * B_V, ((n + TMA_STAGES) % NK) * B_K],
+                s_bars.index(n % TMA_STAGES), s_ring.index(n % TMA_STAGES))
+        b_next = b_s
+    else:
+        t_next = ((n + 1) % NUM_TILES) // NK
+        c_next = (n + 1) % NK
+        b_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets, eviction_policy="evict_first")
+    return b_s, b_next
 
 
 def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
