@@ -61,7 +61,7 @@ def gluon_resident_kernel(
     stride_s_slot, stride_s_h, stride_s_v,
     D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
     G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr, TMA_STAGES: gl.constexpr,
-    S32_SHARED: gl.constexpr,
+    S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -82,6 +82,12 @@ def gluon_resident_kernel(
     slot = gl.load(state_indices_ptr + i_r).to(gl.int64)
     gl.store(committed_ptr + i_r, 0, mask=i_h == 0)
     write_keys = (i_h % group) == 0
+    if PAD > 0:
+        # shared memory held for the whole program (read back at the end), so that `--ablate` runs keep two programs
+        # an SM whatever they leave out
+        pad = gl.allocate_shared_memory(gl.int32, [PAD, 1024], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        PAD_LD: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        pad.index(0).store(gl.zeros([1024], gl.int32, layout=PAD_LD))
 
     # the first state tile is requested before anything else: its latency hides behind the factors
     p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
@@ -106,7 +112,10 @@ def gluon_resident_kernel(
         s_ring = 0  # unused without the ring (`state_tile`)
         s_bars = 0
         s_row = 0
-        b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
+        if (ABLATE & 4) != 0:
+            b_s = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
+        else:
+            b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")  # int32 offsets from a scalar base
 
     # q and k rows into shared memory, chunk by chunk; their squared norms; the raw keys for the commit
     q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
@@ -133,9 +142,10 @@ def gluon_resident_kernel(
     # Gram products on bf16 wgmma, from shared memory
     b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
     b_kk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
-    for c in gl.static_range(NK):
-        b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
-        b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
+    if (ABLATE & 64) == 0:
+        for c in gl.static_range(NK):
+            b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
+            b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
 
     # the tree's rows (i) and columns (j)
     o_i = gl.arange(0, B_T, layout=ROW)
@@ -156,7 +166,8 @@ def gluon_resident_kernel(
     logp_i = gl.sum(gl.where(m_anc, g_j[None, :], 0.0), axis=1)
     logp_j = gl.convert_layout(logp_i, COL)
     decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
-    b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
+    if (ABLATE & 64) == 0:
+        b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
     # G (negated) and C to shared memory as fp16 wgmma operands; after the sweeps their buffers take W and M
     w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
     m_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
@@ -169,7 +180,7 @@ def gluon_resident_kernel(
     # G X is 0: G links a node to its proper ancestors only, X a node to itself and its ancestors)
     zeros_t = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
     b_y = zeros_t
-    num_sweeps = gl.load(block_depth_ptr + i_r)
+    num_sweeps = gl.load(block_depth_ptr + i_r) * (1 - (ABLATE & 1))
     for _ in range(num_sweeps):
         gl.thread_barrier()
         x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
@@ -214,7 +225,7 @@ def gluon_resident_kernel(
             for c in gl.static_range(NK):
                 n = t * NK + c
                 b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
-                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S)
+                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S, ABLATE)
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 b_qs = warpgroup_mma(b_hi, q_smem.index(c).permute((1, 0)), b_qs, is_async=True)
@@ -256,7 +267,7 @@ def gluon_resident_kernel(
             for c in gl.static_range(NK):
                 n = t * NK + c
                 b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
-                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S)
+                                           NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S, ABLATE)
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 gl.thread_barrier()
@@ -264,11 +275,12 @@ def gluon_resident_kernel(
                 s_smem.index(1).store(b_lo)
                 fence_async_shared()
                 gl.thread_barrier()
-                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
-                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
-                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
-                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
-                b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+                if (ABLATE & 2) == 0:
+                    b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
+                    b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
+                    b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
+                    b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
+                    b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
                 b_s = b_s_next
             # readout of this value tile
             o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
@@ -280,20 +292,29 @@ def gluon_resident_kernel(
             r_smem.store((b_r / r_scale).to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
-            b_u = warpgroup_mma(w_smem, r_smem, zeros_v, use_acc=False, is_async=True)
-            b_o = warpgroup_mma(m_smem, r_smem, zeros_v, use_acc=False, is_async=True)
-            b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
+            if (ABLATE & 32) == 0:
+                b_u = warpgroup_mma(w_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+                b_o = warpgroup_mma(m_smem, r_smem, zeros_v, use_acc=False, is_async=True)
+                b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
+            else:
+                b_u = b_r
+                b_o = b_r
             b_u = b_u * r_scale
             b_o = b_o * r_scale + a_q[:, None] * b_qs
             out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
-            gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
-            gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+            if (ABLATE & 8) == 0:
+                gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
+            if (ABLATE & 16) == 0:
+                gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+    if PAD > 0:
+        gl.thread_barrier()
+        gl.store(committed_ptr + i_r, gl.sum(pad.index(PAD - 1).load(PAD_LD), axis=0), mask=H_V < 0)
 
 
 @gluon.jit
 def state_tile(n: gl.constexpr, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
                NUM_TILES: gl.constexpr, NK: gl.constexpr, B_V: gl.constexpr, B_K: gl.constexpr,
-               TMA_STAGES: gl.constexpr, LD_S: gl.constexpr):
+               TMA_STAGES: gl.constexpr, LD_S: gl.constexpr, ABLATE: gl.constexpr = 0):
     """State tile ``n`` of the stream (value tile ``n // NK``, key chunk ``n % NK``) and the register tile to carry to
     the next: with ``TMA_STAGES`` tile ``n`` read from its ring stage once it has arrived, and tile ``n + TMA_STAGES``
     requested into that stage; without, ``b_s`` (loaded a tile earlier) and the next tile's load, issued before this
@@ -312,7 +333,11 @@ def state_tile(n: gl.constexpr, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_o
     else:
         t_next = ((n + 1) % NUM_TILES) // NK
         c_next = (n + 1) % NK
-        b_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets, eviction_policy="evict_first")
+        if (ABLATE & 4) != 0:
+            b_next = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
+        else:
+            b_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                             eviction_policy="evict_first")
     return b_s, b_next
 
 
@@ -340,8 +365,9 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
-                alias_r: bool = False, rows: bool = False, tma_stages: int = 0):
-    """(grid, args, meta, result) of one launch on checked-by-the-caller inputs."""
+                alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0):
+    """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
+    of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -360,7 +386,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
-                TMA_STAGES=tma_stages, S32_SHARED=s32,
+                TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad,
                 **layouts(q.dtype, b_k, b_v, rows=rows),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
@@ -368,13 +394,13 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
-                 tma_stages: int = 0, out=None):
+                 tma_stages: int = 0, ablate: int = 0, pad: int = 0, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages)
+                                        rows, tma_stages, ablate, pad)
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    gluon_resident_kernel[grid](*args, **meta)
+    res.kernel = gluon_resident_kernel[grid](*args, **meta)
     return res
 
 
@@ -391,6 +417,41 @@ CANDIDATES = [
     dict(b_k=64, b_v=32, tma_stages=4),          # 2
     dict(b_k=32, b_v=64, tma_stages=4, rows=True),  # 255, 96 B spilled, 90144 B: 2
 ]
+
+
+# parts of the work an `--ablate` run leaves out, one bit each (timing only: the outputs are wrong); not with ``rows``
+ABLATIONS = {1: "level sweeps", 2: "state products", 4: "state loads (no TMA ring)", 8: "u stores", 16: "o stores",
+             32: "readout products", 64: "Gram products"}
+ABLATE_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, tma_stages=4)]
+ABLATE_SETS = [0, 1, 2, 4, 8, 16, 24, 32, 64, 2 | 4, 1 | 2 | 32 | 64, 1 | 2 | 4 | 8 | 16 | 32 | 64]
+
+
+def ablate_run(repeats: int, batch: int = 16) -> list[dict]:
+    """Verify time at ``batch`` with each `ABLATE_SETS` entry of work left out, per `ABLATE_CONFIGS`: where a
+    program's time goes."""
+    import functools
+
+    from bole_tune.bench import BenchCase, CaseBench
+
+    bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
+    rows = []
+    for options in ABLATE_CONFIGS:
+        for bits in ABLATE_SETS:
+            if bits & 4 and options.get("tma_stages"):
+                continue
+            # pad each variant's shared memory to 80 KiB (no more than two programs an SM; registers <= 255 allow two)
+            tree, x, _ = bench.reference()
+            kernel = gluon_verify(*x.args(tree), ablate=bits, **options).kernel
+            pad = max(0, (80 * 1024 - kernel.metadata.shared) // 4096 + 1)
+            verify = functools.partial(gluon_verify, ablate=bits, pad=pad, **options)
+            kernel = verify(*x.args(tree)).kernel
+            us = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
+            left_out = ", ".join(name for bit, name in ABLATIONS.items() if bits & bit) or "nothing"
+            rows.append(dict(options, ablate=bits, left_out=left_out, us=us, registers=kernel.n_regs,
+                             shared=kernel.metadata.shared))
+            print(f"{options} without {left_out}: {us:.1f} us ({kernel.n_regs} registers, "
+                  f"{kernel.metadata.shared} B shared)", flush=True)
+    return rows
 
 
 def errors(bench, verify) -> tuple[float, float]:
@@ -491,6 +552,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
     args = parser.parse_args()
     if args.compile:
         print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows,
@@ -498,6 +560,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
+    if args.ablate:
+        rows = ablate_run(args.repeats, (args.batch or [16])[0])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = gpu_run(args.repeats, args.batch)
     if args.json:
         with open(args.json, "w") as f:
