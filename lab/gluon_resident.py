@@ -38,6 +38,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -62,6 +63,8 @@ def gluon_resident_kernel(
     D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
     G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr, TMA_STAGES: gl.constexpr,
     S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
+    PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
+    V_SHARED: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -125,28 +128,28 @@ def gluon_resident_kernel(
     p_q = q_ptr + bos * stride_q_n + i_hk * stride_q_h
     p_k = k_ptr + bos * stride_k_n + i_hk * stride_k_h
     p_kout = k_out_ptr + bos * (H_K * D_K) + i_hk * D_K
+    p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
     ssq_q = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
     ssq_k = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
-    for c in gl.static_range(NK):
-        o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
-        b_q = gl.load(p_q + o_t[:, None] * stride_q_n + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_k = gl.load(p_k + o_t[:, None] * stride_k_n + o_k[None, :], mask=m_t[:, None], other=0.0)
-        ssq_q += gl.sum(b_q.to(gl.float32) * b_q.to(gl.float32), axis=1)
-        ssq_k += gl.sum(b_k.to(gl.float32) * b_k.to(gl.float32), axis=1)
-        q_smem.index(c).store(b_q)
-        k_smem.index(c).store(b_k)
-        gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # Gram products on bf16 wgmma, from shared memory
-    b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
-    b_kk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
-    if (ABLATE & 64) == 0:
+    if PREFETCH:
+        # every q, k and v row of the tree requested at once (cp.async, rows past the tree zero-filled): one memory
+        # latency for all of them, the v tiles arriving while the factors and the state stream run
         for c in gl.static_range(NK):
-            b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
-            b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
-
+            o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+            async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + o_t[:, None] * stride_q_n + o_k[None, :],
+                                                   mask=m_t[:, None])
+            async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
+                                                   mask=m_t[:, None])
+        async_copy.commit_group()
+        v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [NV, B_T, B_V], V_SHARED)
+        o_tv = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_V))
+        for t in gl.static_range(NV):
+            o_vl = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_V))
+            async_copy.async_copy_global_to_shared(v_smem.index(t), p_v + o_tv[:, None] * stride_v_n + o_vl[None, :],
+                                                   mask=(o_tv < num_nodes)[:, None])
+        async_copy.commit_group()
+    else:
+        v_smem = 0  # unused: v tiles loaded in the readout
     # the tree's rows (i) and columns (j)
     o_i = gl.arange(0, B_T, layout=ROW)
     o_j = gl.arange(0, B_T, layout=COL)
@@ -159,6 +162,33 @@ def gluon_resident_kernel(
     beta_j = gl.load(beta_ptr + (bos + o_j) * stride_beta_n + i_h * stride_beta_h, mask=m_j, other=0).to(gl.float32)
     g_j = gl.maximum(gl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(gl.float32),
                      G_FLOOR)
+    if PREFETCH:
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+    for c in gl.static_range(NK):
+        o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+        if PREFETCH:
+            b_q = q_smem.index(c).load(LD)
+            b_k = k_smem.index(c).load(LD)
+        else:
+            b_q = gl.load(p_q + o_t[:, None] * stride_q_n + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_k = gl.load(p_k + o_t[:, None] * stride_k_n + o_k[None, :], mask=m_t[:, None], other=0.0)
+            q_smem.index(c).store(b_q)
+            k_smem.index(c).store(b_k)
+        ssq_q += gl.sum(b_q.to(gl.float32) * b_q.to(gl.float32), axis=1)
+        ssq_k += gl.sum(b_k.to(gl.float32) * b_k.to(gl.float32), axis=1)
+        gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Gram products on bf16 wgmma, from shared memory
+    b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+    b_kk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+    if (ABLATE & 64) == 0:
+        for c in gl.static_range(NK):
+            b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
+            b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
+
     r_q_i = scale / gl.sqrt(gl.convert_layout(ssq_q, ROW) + 1e-6)
     r_k_i = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, ROW) + 1e-6)
     r_k_j = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, COL) + 1e-6)
@@ -205,6 +235,7 @@ def gluon_resident_kernel(
     a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
 
     if ROWS:
+        gl.static_assert(not PREFETCH and not COALESCE, "ROWS: no prefetch, no coalesced stores")
         # the products the other way round, S Q^T and S K^T as [B_V, B_T] tiles: the state tile (its two bf16
         # parts) is the wgmma's A operand straight from registers, q and k its B operands in shared memory, so a
         # state tile never goes through shared memory and the stream has no barrier; R'^T is the readout's A
@@ -256,7 +287,6 @@ def gluon_resident_kernel(
         else:
             r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
         o_iv = gl.arange(0, B_T, layout=ROW_V)
-        p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
         p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
         p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
         m_iv = o_iv < num_nodes
@@ -284,7 +314,14 @@ def gluon_resident_kernel(
                 b_s = b_s_next
             # readout of this value tile
             o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
-            b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None], other=0.0).to(gl.float32)
+            if PREFETCH:
+                if t == 0:
+                    async_copy.wait_group(0)
+                    gl.thread_barrier()
+                b_v = v_smem.index(t).load(MMA_V).to(gl.float32)
+            else:
+                b_v = gl.load(p_v + o_iv[:, None] * stride_v_n + o_vv[None, :], mask=m_iv[:, None],
+                              other=0.0).to(gl.float32)
             b_r = b_v - a_k[:, None] * b_ks
             r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
             r_scale = gl.where(r_max > 0.0, r_max, 1.0)
@@ -301,11 +338,24 @@ def gluon_resident_kernel(
                 b_o = b_r
             b_u = b_u * r_scale
             b_o = b_o * r_scale + a_q[:, None] * b_qs
-            out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
-            if (ABLATE & 8) == 0:
-                gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
-            if (ABLATE & 16) == 0:
-                gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+            if COALESCE:
+                # through shared memory into row-contiguous layouts: 16-byte stores, whole rows a warp
+                o_iu = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_U))
+                o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_U))
+                if (ABLATE & 8) == 0:
+                    gl.store(p_u + o_iu[:, None] * (H_V * D_V) + o_vu[None, :], gl.convert_layout(b_u, LD_U),
+                             mask=(o_iu < num_nodes)[:, None])
+                o_io = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_O))
+                o_vo = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_O))
+                if (ABLATE & 16) == 0:
+                    gl.store(p_o + o_io[:, None] * (H_V * D_V) + o_vo[None, :],
+                             gl.convert_layout(b_o.to(o_ptr.dtype.element_ty), LD_O), mask=(o_io < num_nodes)[:, None])
+            else:
+                out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
+                if (ABLATE & 8) == 0:
+                    gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
+                if (ABLATE & 16) == 0:
+                    gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
     if PAD > 0:
         gl.thread_barrier()
         gl.store(committed_ptr + i_r, gl.sum(pad.index(PAD - 1).load(PAD_LD), axis=0), mask=H_V < 0)
@@ -361,11 +411,14 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
         X_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, B_T], gl.float16),
         S_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.bfloat16),
         R_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_v], gl.float16),
+        LD_V=_blocked(B_T, b_v, 2, num_warps), LD_U=_blocked(B_T, b_v, 4, num_warps), LD_O=_blocked(B_T, b_v, 2, num_warps),
+        V_SHARED=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
     )
 
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
-                alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0):
+                alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
+                prefetch: bool = False, coalesce: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -386,7 +439,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
-                TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad,
+                TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce,
                 **layouts(q.dtype, b_k, b_v, rows=rows),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
@@ -394,10 +447,11 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
-                 tma_stages: int = 0, ablate: int = 0, pad: int = 0, out=None):
+                 tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
+                 out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages, ablate, pad)
+                                        rows, tma_stages, ablate, pad, prefetch, coalesce)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -408,21 +462,21 @@ CASES = [16, 8, 32]  # batches of 64-node random trees of depth <= 8, 9B heads, 
 # launch options (`gluon_verify`); sm_90 compiles (`--compile`, B=16): registers, stack bytes, shared memory ->
 # programs per SM
 CANDIDATES = [
-    dict(b_k=32, b_v=64),                        # 255, none, 65552 B: 2 (the best of the first two runs)
-    dict(b_k=32, b_v=64, tma_stages=4),          # 205, none, 98448 B: 2
-    dict(b_k=32, b_v=64, tma_stages=5),          # 2
-    dict(b_k=32, b_v=64, tma_stages=8),          # 202, none, 131216 B: 1 (the whole state in flight)
-    dict(b_k=32, b_v=32, tma_stages=4, maxnreg=168),  # 73872 B: 3
-    dict(b_k=32, b_v=32, tma_stages=8, maxnreg=168),  # 2
-    dict(b_k=64, b_v=32, tma_stages=4),          # 2
-    dict(b_k=32, b_v=64, tma_stages=4, rows=True),  # 255, 96 B spilled, 90144 B: 2
+    dict(b_k=32, b_v=64),                        # 210, none, 65552 B: 2 (tree loads before the q/k rows)
+    dict(b_k=32, b_v=64, tma_stages=4),          # 205, none, 98448 B: 2 (51.9 us against 53.2 at B=16)
+    dict(b_k=32, b_v=64, prefetch=True),         # 210, none, 81936 B: 2
+    dict(b_k=32, b_v=64, coalesce=True),         # 254, none, 81920 B: 2
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True),  # 254, none, 98304 B: 2
+    dict(b_k=32, b_v=64, tma_stages=3, prefetch=True),
+    dict(b_k=32, b_v=64, tma_stages=3, coalesce=True),
+    dict(b_k=64, b_v=32, prefetch=True, coalesce=True),
 ]
 
 
 # parts of the work an `--ablate` run leaves out, one bit each (timing only: the outputs are wrong); not with ``rows``
 ABLATIONS = {1: "level sweeps", 2: "state products", 4: "state loads (no TMA ring)", 8: "u stores", 16: "o stores",
              32: "readout products", 64: "Gram products"}
-ABLATE_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, tma_stages=4)]
+ABLATE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
 ABLATE_SETS = [0, 1, 2, 4, 8, 16, 24, 32, 64, 2 | 4, 1 | 2 | 32 | 64, 1 | 2 | 4 | 8 | 16 | 32 | 64]
 
 
