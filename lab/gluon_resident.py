@@ -55,7 +55,7 @@ HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 def gluon_resident_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
-    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc,
+    o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc, trace_ptr,
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
@@ -64,7 +64,7 @@ def gluon_resident_kernel(
     G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr, TMA_STAGES: gl.constexpr,
     S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
     PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
-    V_SHARED: gl.constexpr,
+    V_SHARED: gl.constexpr, TRACE: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -78,6 +78,11 @@ def gluon_resident_kernel(
 
     i_h = gl.program_id(0).to(gl.int64)
     i_r = gl.program_id(1).to(gl.int64)
+    p_trace = trace_ptr + (i_r * H_V + i_h) * 8
+    stamp(p_trace, 0, i_r, TRACE)
+    if TRACE:
+        gl.store(p_trace + 7, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,l", [i_r], dtype=gl.int32,
+                                                        is_pure=False, pack=1).to(gl.int64))
     group = H_V // H_K
     i_hk = i_h // group
     bos = gl.load(offsets_ptr + i_r).to(gl.int64)
@@ -180,6 +185,7 @@ def gluon_resident_kernel(
         gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
     fence_async_shared()
     gl.thread_barrier()
+    stamp(p_trace, 1, i_r, TRACE)
 
     # Gram products on bf16 wgmma, from shared memory
     b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
@@ -198,6 +204,7 @@ def gluon_resident_kernel(
     decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
     if (ABLATE & 64) == 0:
         b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
+    stamp(p_trace, 2, i_r, TRACE)
     # G (negated) and C to shared memory as fp16 wgmma operands; after the sweeps their buffers take W and M
     w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
     m_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
@@ -228,6 +235,7 @@ def gluon_resident_kernel(
     m_smem.store(b_m.to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
+    stamp(p_trace, 3, i_r, TRACE)
     b_decay = gl.exp(logp_i)
     gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
     gl.store(k_scale_ptr + (bos + o_i) * H_K + i_hk, r_k_i, mask=m_i & write_keys)
@@ -313,6 +321,8 @@ def gluon_resident_kernel(
                     b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
                 b_s = b_s_next
             # readout of this value tile
+            if t == 0:
+                stamp(p_trace, 4, i_r, TRACE)
             o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
             if PREFETCH:
                 if t == 0:
@@ -356,9 +366,21 @@ def gluon_resident_kernel(
                     gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
                 if (ABLATE & 16) == 0:
                     gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+            if t == 0:
+                stamp(p_trace, 5, i_r, TRACE)
+    stamp(p_trace, 6, i_r, TRACE)
     if PAD > 0:
         gl.thread_barrier()
         gl.store(committed_ptr + i_r, gl.sum(pad.index(PAD - 1).load(PAD_LD), axis=0), mask=H_V < 0)
+
+
+@gluon.jit
+def stamp(p_trace, idx: gl.constexpr, dep, TRACE: gl.constexpr):
+    """With ``TRACE``, the global timer (ns) into ``p_trace[idx]``: where a program's time goes."""
+    if TRACE:
+        gl.thread_barrier()
+        gl.store(p_trace + idx, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dep], dtype=gl.int64,
+                                                          is_pure=False, pack=1))
 
 
 @gluon.jit
@@ -418,7 +440,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
-                prefetch: bool = False, coalesce: bool = False):
+                prefetch: bool = False, coalesce: bool = False, trace=None):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -437,9 +459,10 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     s_desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [b_v, b_k], s32)
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
+            trace if trace is not None else res.committed,
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
-                TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce,
+                TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce, TRACE=trace is not None,
                 **layouts(q.dtype, b_k, b_v, rows=rows),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
@@ -448,10 +471,10 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 out=None):
+                 trace=None, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages, ablate, pad, prefetch, coalesce)
+                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -477,6 +500,8 @@ CANDIDATES = [
 ABLATIONS = {1: "level sweeps", 2: "state products", 4: "state loads (no TMA ring)", 8: "u stores", 16: "o stores",
              32: "readout products", 64: "Gram products"}
 ABLATE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+TRACE_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True, coalesce=True),
+                 dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ablate=127, pad=8)]
 ABLATE_SETS = [0, 1, 2, 4, 8, 16, 24, 32, 64, 2 | 4, 1 | 2 | 32 | 64, 1 | 2 | 4 | 8 | 16 | 32 | 64]
 
 
@@ -506,6 +531,42 @@ def ablate_run(repeats: int, batch: int = 16) -> list[dict]:
             print(f"{options} without {left_out}: {us:.1f} us ({kernel.n_regs} registers, "
                   f"{kernel.metadata.shared} B shared)", flush=True)
     return rows
+
+
+PHASES = ["q/k rows", "Gram", "factors", "state stream, tile 0", "readout, tile 0", "tile 1 (stream, readout)"]
+
+
+def trace_run(options_list: list[dict], batch: int = 16, launches: int = 4) -> list[dict]:
+    """Each program's phases from global-timer stamps (``TRACE``), the last of ``launches`` back-to-back launches on
+    rotating input sets: per phase the median ns, the kernel's span, the programs' start times (waves)."""
+    from bole_tune.bench import BenchCase, CaseBench
+
+    bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
+    tree, pool, inputs, slots = bench.sets(64)
+    out = []
+    for options in options_list:
+        traces = [torch.zeros(batch * HEADS_9B.hv * 8, dtype=torch.int64, device="cuda") for _ in range(launches)]
+        for i in range(launches):
+            x = inputs[i % len(inputs)]
+            gluon_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i % len(slots)], tree, trace=traces[i], **options)
+        torch.cuda.synchronize()
+        t = traces[-1].view(-1, 8).cpu()
+        stamps, sm = t[:, :7].double(), t[:, 7]
+        t0 = stamps[:, 0].min()
+        start, end = stamps[:, 0] - t0, stamps[:, 6] - t0
+        phases = torch.stack([stamps[:, 1] - stamps[:, 0], stamps[:, 2] - stamps[:, 1], stamps[:, 3] - stamps[:, 2],
+                              stamps[:, 4] - stamps[:, 3], stamps[:, 5] - stamps[:, 4], stamps[:, 6] - stamps[:, 5]], 1)
+        per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)
+        q = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
+        row = dict(options, span_us=float(end.max()) / 1e3,
+                   program_us=dict(zip(["min", "p25", "p50", "p75", "max"], (torch.quantile(end - start, q) / 1e3).tolist())),
+                   start_us=dict(zip(["min", "p25", "p50", "p75", "max"], (torch.quantile(start, q) / 1e3).tolist())),
+                   phase_us_p50={name: float(phases[:, i].median()) / 1e3 for i, name in enumerate(PHASES)},
+                   programs_per_sm=dict(zip(["min", "max"], [int(per_sm[per_sm > 0].min()), int(per_sm.max())])),
+                   sms=int((per_sm > 0).sum()))
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def errors(bench, verify) -> tuple[float, float]:
@@ -607,6 +668,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
+    parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
     args = parser.parse_args()
     if args.compile:
         print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows,
@@ -614,6 +676,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
+    if args.trace:
+        rows = trace_run(TRACE_CONFIGS, (args.batch or [16])[0])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.ablate:
         rows = ablate_run(args.repeats, (args.batch or [16])[0])
         if args.json:
