@@ -56,6 +56,7 @@ def gluon_resident_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc, trace_ptr,
+    path_rows_ptr, prev_u_ptr, prev_k_ptr, prev_k_scale_ptr, prev_logp_ptr,
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
@@ -64,7 +65,8 @@ def gluon_resident_kernel(
     G_FLOOR: gl.constexpr, ALIAS_R: gl.constexpr, ROWS: gl.constexpr, TMA_STAGES: gl.constexpr,
     S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
     PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
-    V_SHARED: gl.constexpr, TRACE: gl.constexpr,
+    V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
+    KP_SHARED: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -183,6 +185,32 @@ def gluon_resident_kernel(
         ssq_q += gl.sum(b_q.to(gl.float32) * b_q.to(gl.float32), axis=1)
         ssq_k += gl.sum(b_k.to(gl.float32) * b_k.to(gl.float32), axis=1)
         gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
+    if FOLD:
+        # the previous round's accepted path of this slot (docs/math.md §4): its rows, weights
+        # w_j = exp(logP_a - logP_j) * k_scale_j and decay P_a = exp(logP_a) (1 and no rows: nothing pending); its keys
+        # to shared memory as the fold's B operand
+        o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
+        rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
+        m_p = rows_p >= 0
+        rows_p = gl.where(m_p, rows_p, 0)
+        row_a = gl.max(gl.where(m_p, rows_p, -1), axis=0)
+        logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
+        fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
+        kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+        for c in gl.static_range(NK):
+            o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
+            kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
+                                           mask=m_p[:, None], other=0.0))
+        o_pc = gl.arange(0, B_P, layout=gl.SliceLayout(0, LD_P))
+        rows_pc = gl.load(path_rows_ptr + i_r * B_P + o_pc).to(gl.int64)
+        m_pc = rows_pc >= 0
+        rows_pc = gl.where(m_pc, rows_pc, 0)
+        logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
+        scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
+        weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
+    else:
+        kp_smem = 0
+        fold_decay = 1.0
     fence_async_shared()
     gl.thread_barrier()
     stamp(p_trace, 1, i_r, TRACE)
@@ -299,13 +327,35 @@ def gluon_resident_kernel(
         p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
         m_iv = o_iv < num_nodes
         zeros_v = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
+        A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
         for t in gl.static_range(NV):
             b_qs = zeros_v
             b_ks = zeros_v
+            if FOLD:
+                # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
+                # them (8 + 8 + 8 significant bits): with 16-bit keys each part's products are exact
+                o_vp = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_P))
+                b_up = gl.load(prev_u_ptr + rows_pc[None, :] * (H_V * D_V) + i_h * D_V + o_vp[:, None],
+                               mask=m_pc[None, :], other=0.0) * weight_pc[None, :]
+                up_hi = b_up.to(gl.bfloat16)
+                up_rest = b_up - up_hi.to(gl.float32)
+                up_mid = up_rest.to(gl.bfloat16)
+                up_lo = (up_rest - up_mid.to(gl.float32)).to(gl.bfloat16)
+                up_hi = gl.convert_layout(up_hi, A_FOLD)
+                up_mid = gl.convert_layout(up_mid, A_FOLD)
+                up_lo = gl.convert_layout(up_lo, A_FOLD)
             for c in gl.static_range(NK):
                 n = t * NK + c
                 b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
                                            NV * NK, NK, B_V, B_K, TMA_STAGES, LD_S, ABLATE)
+                if FOLD:
+                    # S' = P_a S + sum_j (w_j u_j) k_j^T on this tile (LD_S is the wgmma accumulator layout here),
+                    # written back to the pool in place: the committed state, this round's S_pre
+                    b_s = warpgroup_mma(up_hi, kp_smem.index(c), b_s * fold_decay, is_async=True)
+                    b_s = warpgroup_mma(up_mid, kp_smem.index(c), b_s, is_async=True)
+                    b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
+                    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
+                    gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 gl.thread_barrier()
@@ -420,7 +470,7 @@ def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.Blocke
     return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
 
 
-def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bool = False) -> dict:
+def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bool = False, fold: bool = False) -> dict:
     """The kernel's layout constexprs for 16-bit inputs (``rows``: the state tiles loaded as wgmma A operands)."""
     g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_T, 16])
@@ -428,7 +478,9 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
     return dict(
         MMA=mma, MMA_V=mma_v,
         LD=_blocked(B_T, b_k, 2, num_warps),
-        LD_S=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2) if rows else _blocked(b_v, b_k, 4, num_warps),
+        LD_S=(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2) if rows else
+              gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, b_k, 16]) if fold
+              else _blocked(b_v, b_k, 4, num_warps)),
         QK_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_k], g16),
         X_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, B_T], gl.float16),
         S_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.bfloat16),
@@ -440,7 +492,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
-                prefetch: bool = False, coalesce: bool = False, trace=None):
+                prefetch: bool = False, coalesce: bool = False, trace=None, fold=None):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -460,10 +512,16 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
             trace if trace is not None else res.committed,
+            *((fold[0], fold[1].u, fold[1].k, fold[1].k_scale, fold[1].log_decay) if fold is not None
+              else (res.committed, res.u, res.k, res.k_scale, res.log_decay)),
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
                 TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce, TRACE=trace is not None,
-                **layouts(q.dtype, b_k, b_v, rows=rows),
+                FOLD=fold is not None, B_P=fold[0].shape[1] if fold is not None else 16,
+                LD_P=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
+                KP_SHARED=gl.NVMMASharedLayout.get_default_for([fold[0].shape[1] if fold is not None else 16, b_k],
+                                                               gl.bfloat16),
+                **layouts(q.dtype, b_k, b_v, rows=rows, fold=fold is not None),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
 
@@ -471,10 +529,10 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 trace=None, out=None):
+                 trace=None, fold=None, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace)
+                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -566,6 +624,67 @@ def trace_run(options_list: list[dict], batch: int = 16, launches: int = 4) -> l
                    sms=int((per_sm > 0).sum()))
         out.append(row)
         print(json.dumps(row), flush=True)
+    return out
+
+
+FOLD_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+
+
+def fold_run(repeats: int, batch: int = 16) -> dict:
+    """The folded round in Gluon: this round's verify on the state the previous round's accepted paths leave, the
+    pool written in place. Checked against the float64 reference of tree_commit then verify (paths of every length:
+    none, the root only, the deepest nodes), then timed side by side with the shipped verify, the shipped folded
+    verify and the Gluon verify alone."""
+    import functools
+
+    from bole_tune.bench import BenchCase, CaseBench
+    from bole_tune.kernels import tree_commit, tree_verify
+    from bole_tune.kernels.verify.pending import pending_path_rows
+    from bole_tune.kernels.verify.self_check import accepted_error
+    from bole_tune.kernels.reference import verify_reference
+    from bole_tune.workloads import relative_error
+
+    bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
+    tree, pool, inputs, slots = bench.sets(64)
+    request_map = torch.arange(batch, dtype=torch.int32, device="cuda")
+    accepted = bench.deepest(tree).clone()
+    accepted[0], accepted[1] = -1, 0  # nothing pending; the root only
+    prev_x = inputs[1]
+    prev = tree_verify(prev_x.q, prev_x.k, prev_x.v, prev_x.g, prev_x.beta, pool, slots[0], tree, validate=False)
+    path_rows = pending_path_rows(tree, accepted, request_map)
+    x = inputs[0]
+    want_pool = pool.clone()
+    tree_commit(want_pool, slots[0], prev, accepted, validate=False)
+    ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, want_pool, slots[0], tree)
+    bound = accepted_error(torch.bfloat16)
+    out = {"batch": batch, "runs": []}
+    for options in FOLD_CONFIGS:
+        entry = dict(options)
+        try:
+            got_pool = pool.clone()
+            res = gluon_verify(x.q, x.k, x.v, x.g, x.beta, got_pool, slots[0], tree, fold=(path_rows, prev), **options)
+            touched = slots[0].long()
+            entry["error"] = relative_error(res.o, ref.o)
+            entry["state_error"] = relative_error(got_pool[touched], want_pool[touched])
+            entry["untouched_same"] = bool(torch.equal(
+                got_pool[torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)],
+                pool[torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)]))
+            if max(entry["error"], entry["state_error"]) <= bound and entry["untouched_same"]:
+                verify = functools.partial(gluon_verify, fold=(path_rows, prev), **options)
+                entry["us"] = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
+                entry["plain_us"] = bench.time_verify(functools.partial(gluon_verify, **options), None,
+                                                      repeats=repeats)[0].p50_us
+            else:
+                entry["status"] = "wrong: not timed"
+        except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+            entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+        print(f"fold {entry}", flush=True)
+        out["runs"].append(entry)
+    shipped = bench.launch()
+    out["shipped_verify_us"] = bench.time_verify(tree_verify, shipped, repeats=repeats)[0].p50_us
+    out["shipped_folded_us"] = bench.time_folded(repeats=repeats).p50_us
+    print(f"shipped verify {out['shipped_verify_us']:.1f} us, shipped folded round {out['shipped_folded_us']:.1f} us",
+          flush=True)
     return out
 
 
@@ -668,6 +787,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", help="only this batch (repeatable)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
+    parser.add_argument("--fold", action="store_true", help="H200: the folded round in Gluon at B=16, checked, timed")
     parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
     args = parser.parse_args()
     if args.compile:
@@ -676,6 +796,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
+    if args.fold:
+        rows = fold_run(args.repeats, (args.batch or [16])[0])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.trace:
         rows = trace_run(TRACE_CONFIGS, (args.batch or [16])[0])
         if args.json:
