@@ -23,6 +23,13 @@ against the float64 reference (and the committed state of every request's deepes
 
     python3 lab/gluon_resident.py --compile [--b-v 64 --b-k 32]    # CPU: registers, spills, shared memory
     python3 lab/gluon_resident.py [--json OUT] [--repeats 30]      # H200: check, then time against the shipped
+    python3 lab/gluon_resident.py --ablate | --trace | --fold      # H200, B=16: parts left out (timed only), each
+                                                                   # program's phases, the commit folded in
+
+Later options (twentieth session): ``prefetch`` (every q, k and v row of the tree requested at once by cp.async,
+rows past the tree zero-filled), ``coalesce`` (u and o stored through row-contiguous layouts), ``ablate`` / ``pad``
+(`ABLATIONS`, for timing only), ``trace`` (global-timer stamps per phase) and ``fold`` (the previous round's accepted
+paths applied to each state tile on wgmma, the pool written in place).
 
 Only 16-bit inputs with L2-normalised q and k on trees of at most 64 nodes and depth at most 12 (the shipped planner's
 fp16-sweep conditions); no fold, no ring.
