@@ -20,12 +20,10 @@ that is 256 programs: one wave at two programs an SM.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -35,7 +33,7 @@ from bole_tune.kernels.common import LOG_DECAY_FLOOR
 from bole_tune.kernels.verify.result import VerifyShape, result_buffers
 from bole_tune.shapes import HeadShape
 
-from gluon_resident import B_T, HEADS_9B, errors, layouts
+from gluon_resident import B_T, compile_instance, compile_sm90, dump, gpu_run, layouts, print_table
 
 
 @gluon.jit
@@ -301,7 +299,6 @@ def grouped_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, val
     return res
 
 
-CASES = [16, 8, 32]
 CANDIDATES = [
     dict(b_k=32, b_v=64, group=1),
     dict(b_k=32, b_v=64),
@@ -309,66 +306,6 @@ CANDIDATES = [
     dict(b_k=64, b_v=32),
     dict(b_k=32, b_v=32),
 ]
-
-
-def gpu_run(repeats: int, only_batch=None) -> list[dict]:
-    from bole_tune.bench import BenchCase, CaseBench
-    from bole_tune.kernels import tree_verify
-    from bole_tune.kernels.verify.self_check import accepted_error
-
-    bound = accepted_error(torch.bfloat16)
-    rows = []
-    for batch in [b for b in CASES if not only_batch or b in only_batch]:
-        bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
-        shipped = bench.launch()
-        row = {"batch": batch, "shipped": f"{shipped.variant} {shipped.config}", "runs": []}
-        e_o, e_s = errors(bench, functools.partial(tree_verify, launch=shipped))
-        row["shipped_us"] = bench.time_verify(tree_verify, shipped, repeats=repeats)[0].p50_us
-        row["shipped_error"], row["shipped_state_error"] = e_o, e_s
-        print(f"B={batch} T=64: shipped {row['shipped']} {row['shipped_us']:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
-              flush=True)
-        for options in CANDIDATES:
-            entry = dict(options)
-            verify = functools.partial(grouped_verify, **options)
-            try:
-                entry["error"], entry["state_error"] = errors(bench, verify)
-                if max(entry["error"], entry["state_error"]) <= bound:
-                    entry["us"] = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
-                else:
-                    entry["status"] = "wrong: not timed"
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(f"    grouped {entry}", flush=True)
-            row["runs"].append(entry)
-        rows.append(row)
-        del bench
-        torch.cuda.empty_cache()
-    return rows
-
-
-def compile_report(batch: int = 16, **options) -> dict:
-    """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    from bole_tune.binaries import binary_report
-    from bole_tune.workloads import make_inputs, make_tree
-
-    tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
-    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
-    grid, args, meta, _ = launch_args(*x.args(tree)[:8], **options)
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    fn = grouped_kernel
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*args, **meta)
-    opts, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
-    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
-    report = binary_report(compiled)
-    report.pop("ops", None)
-    return report
 
 
 def main() -> None:
@@ -379,26 +316,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.compile:
+        tree, x = compile_instance(16)
         for options in CANDIDATES:
-            print(options, json.dumps(compile_report(**options)))
+            _, launch, meta, _ = launch_args(*x.args(tree)[:8], **options)
+            print(options, json.dumps(compile_sm90(grouped_kernel, launch, meta)))
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
-    rows = gpu_run(args.repeats, args.batch)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print("\n| 9B verify, us (errors o / state) | " + " | ".join(f"B={r['batch']} T=64" for r in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
-                                      for r in rows) + " |")
-    for i, options in enumerate(CANDIDATES):
-        cells = []
-        for r in rows:
-            e = r["runs"][i]
-            cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
-                         else e.get("status", "-")[:60])
-        print(f"| grouped {' '.join(f'{k}={v}' for k, v in options.items())} | " + " | ".join(cells) + " |")
+    rows = gpu_run(args.repeats, args.batch, CANDIDATES, grouped_verify, "grouped", cases=[16, 8, 32])
+    dump(rows, args.json)
+    print_table(rows, CANDIDATES, "grouped")
 
 
 if __name__ == "__main__":

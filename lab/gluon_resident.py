@@ -712,16 +712,20 @@ def errors(bench, verify) -> tuple[float, float]:
     return relative_error(res.o, ref.o), relative_error(pool, want)
 
 
-def gpu_run(repeats: int, only_batch=None) -> list[dict]:
+def gpu_run(repeats: int, only_batch=None, candidates=None, verify_fn=None, label: str = "gluon",
+            cases=None) -> list[dict]:
+    """Per batch of ``cases``: the shipped launch checked and timed, then each of ``candidates`` (``verify_fn``'s
+    options) checked against float64 and timed if right."""
     import functools
 
     from bole_tune.bench import BenchCase, CaseBench
     from bole_tune.kernels import tree_verify
     from bole_tune.kernels.verify.self_check import accepted_error
 
+    candidates, verify_fn = candidates or CANDIDATES, verify_fn or gluon_verify
     bound = accepted_error(torch.bfloat16)
     rows = []
-    for batch in [b for b in CASES if not only_batch or b in only_batch]:
+    for batch in [b for b in (cases or CASES) if not only_batch or b in only_batch]:
         bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
         shipped = bench.launch()
         row = {"batch": batch, "shipped": f"{shipped.variant} {shipped.config}", "runs": []}
@@ -731,9 +735,9 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
         row["shipped_us"], row["shipped_error"], row["shipped_state_error"] = timing.p50_us, e_o, e_s
         print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
               flush=True)
-        for options in CANDIDATES:
+        for options in candidates:
             entry = dict(options)
-            verify = functools.partial(gluon_verify, **options)
+            verify = functools.partial(verify_fn, **options)
             try:
                 entry["error"], entry["state_error"] = errors(bench, verify)
                 if max(entry["error"], entry["state_error"]) <= bound:
@@ -742,7 +746,7 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
                     entry["status"] = "wrong: not timed"
             except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
                 entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(f"    gluon {entry}", flush=True)
+            print(f"    {label} {entry}", flush=True)
             row["runs"].append(entry)
         rows.append(row)
         del bench
@@ -753,24 +757,33 @@ def gpu_run(repeats: int, only_batch=None) -> list[dict]:
 def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False,
                    rows: bool = False, tma_stages: int = 0) -> dict:
     """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
+    tree, x = compile_instance(batch)
+    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows,
+                                      tma_stages=tma_stages)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    return compile_sm90(gluon_resident_kernel, args, meta)
+
+
+def compile_instance(batch: int):
+    """(tree, inputs) on the CPU: a batch of 64-node random trees of 9B heads, what `compile_sm90` specialises on."""
+    from bole_tune.workloads import make_inputs, make_tree
+
+    tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
+    return tree, make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
+
+
+def compile_sm90(fn, args, meta) -> dict:
+    """`bole_tune.binaries.binary_report` of Gluon kernel ``fn`` compiled for sm_90 on ``args`` / ``meta``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
     from bole_tune.binaries import binary_report
-    from bole_tune.workloads import make_tree
-    from bole_tune.workloads import make_inputs
 
-    tree = make_tree([B_T] * batch, "random", max_depth=8, seed=1, device="cpu")
-    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, torch.bfloat16, "cpu", seed=1)
-    grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows,
-                                      tma_stages=tma_stages)
-    if maxnreg:
-        meta["maxnreg"] = maxnreg
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    fn = gluon_resident_kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, _ = binder(*args, **meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
@@ -779,6 +792,28 @@ def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = No
     report = binary_report(compiled)
     report.pop("ops", None)
     return report
+
+
+def dump(rows, path: str | None) -> None:
+    """``rows`` as JSON to ``path`` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def print_table(rows: list[dict], candidates: list[dict], label: str) -> None:
+    """`gpu_run`'s rows as a markdown table: the shipped launch, then each candidate, per batch."""
+    print("\n| 9B verify, us (errors o / state) | " + " | ".join(f"B={r['batch']} T=64" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
+                                      for r in rows) + " |")
+    for i, options in enumerate(candidates):
+        cells = []
+        for r in rows:
+            e = r["runs"][i]
+            cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
+                         else e.get("status", "-")[:60])
+        print(f"| {label} {' '.join(f'{k}={v}' for k, v in options.items())} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -803,40 +838,17 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
+    batch = (args.batch or [16])[0]
     if args.fold:
-        rows = fold_run(args.repeats, (args.batch or [16])[0])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    if args.trace:
-        rows = trace_run(TRACE_CONFIGS, (args.batch or [16])[0])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    if args.ablate:
-        rows = ablate_run(args.repeats, (args.batch or [16])[0])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    rows = gpu_run(args.repeats, args.batch)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print("\n| 9B verify, us (errors o / state) | " + " | ".join(f"B={r['batch']} T=64" for r in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    print("| shipped | " + " | ".join(f"{r['shipped_us']:.1f} ({r['shipped_error']:.1e} / {r['shipped_state_error']:.1e})"
-                                      for r in rows) + " |")
-    for i, options in enumerate(CANDIDATES):
-        cells = []
-        for r in rows:
-            e = r["runs"][i]
-            cells.append(f"{e['us']:.1f} ({e['error']:.1e} / {e['state_error']:.1e})" if "us" in e
-                         else e.get("status", "-")[:60])
-        name = " ".join(f"{k}={v}" for k, v in options.items())
-        print(f"| gluon {name} | " + " | ".join(cells) + " |")
+        dump(fold_run(args.repeats, batch), args.json)
+    elif args.trace:
+        dump(trace_run(TRACE_CONFIGS, batch), args.json)
+    elif args.ablate:
+        dump(ablate_run(args.repeats, batch), args.json)
+    else:
+        rows = gpu_run(args.repeats, args.batch)
+        dump(rows, args.json)
+        print_table(rows, CANDIDATES, "gluon")
 
 
 if __name__ == "__main__":
