@@ -278,7 +278,7 @@ def gluon_resident_kernel(
     a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
 
     if ROWS:
-        gl.static_assert(not PREFETCH and not COALESCE, "ROWS: no prefetch, no coalesced stores")
+        gl.static_assert(not PREFETCH and not COALESCE and not FOLD, "ROWS: no prefetch, coalesced stores or fold")
         # the products the other way round, S Q^T and S K^T as [B_V, B_T] tiles: the state tile (its two bf16
         # parts) is the wgmma's A operand straight from registers, q and k its B operands in shared memory, so a
         # state tile never goes through shared memory and the stream has no barrier; R'^T is the readout's A
