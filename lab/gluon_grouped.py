@@ -33,7 +33,8 @@ from bole_tune.kernels.common import LOG_DECAY_FLOOR
 from bole_tune.kernels.verify.result import VerifyShape, result_buffers
 from bole_tune.shapes import HeadShape
 
-from gluon_resident import B_T, compile_instance, compile_sm90, dump, gpu_run, layouts, print_table
+from gluon_resident import (B_T, compile_instance, compile_sm90, dump, gpu_run, layouts, print_table,
+                            solve_factors)
 
 
 @gluon.jit
@@ -108,7 +109,6 @@ def grouped_kernel(
     o_j = gl.arange(0, B_T, layout=COL)
     m_i = o_i < num_nodes
     m_j = o_j < num_nodes
-    num_sweeps = gl.load(block_depth_ptr + i_r)
 
     # q and k: norms (L2-normalised rows) and the raw keys for the commit, once for all the group's heads
     async_copy.wait_group(1)
@@ -162,29 +162,10 @@ def grouped_kernel(
         logp_j = gl.convert_layout(logp_i, COL)
         decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
         b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
-        # G (negated) and C as fp16 wgmma operands; X = (I + G)^-1 = I + Y by level sweeps Y <- -G (I + Y)
+        # the factors W and M into shared memory (after the previous head's readout has read them)
         gl.thread_barrier()
-        w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
-                              -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
-        m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
-        b_y = zeros_t
-        for _ in range(num_sweeps):
-            gl.thread_barrier()
-            x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
-            fence_async_shared()
-            gl.thread_barrier()
-            b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
-        gl.thread_barrier()
-        b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
-        x_smem.store(b_x.to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
-        gl.thread_barrier()
-        w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
-        m_smem.store(b_m.to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
+        solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j,
+                      decay, block_depth_ptr + i_r, zeros_t)
         b_decay = gl.exp(logp_i)
         gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
         a_q = gl.convert_layout(b_decay * r_q_i, ROW_V)

@@ -244,32 +244,9 @@ def gluon_resident_kernel(
     w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
     m_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
     x_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
-    w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
-                          -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
-    m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
-
-    # X = (I + G)^-1 = I + Y by level sweeps Y <- -G (I + Y) (fp16 operands, fp32 accumulation; the diagonal of
-    # G X is 0: G links a node to its proper ancestors only, X a node to itself and its ancestors)
     zeros_t = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
-    b_y = zeros_t
-    num_sweeps = gl.load(block_depth_ptr + i_r) * (1 - (ABLATE & 1))
-    for _ in range(num_sweeps):
-        gl.thread_barrier()
-        x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
-    gl.thread_barrier()
-    b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
-    x_smem.store(b_x.to(gl.float16))
-    fence_async_shared()
-    gl.thread_barrier()
-    b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
-    gl.thread_barrier()
-    w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
-    m_smem.store(b_m.to(gl.float16))
-    fence_async_shared()
-    gl.thread_barrier()
+    solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j, decay,
+                  block_depth_ptr + i_r, zeros_t, 1 - (ABLATE & 1))
     stamp(p_trace, 3, i_r, TRACE)
     b_decay = gl.exp(logp_i)
     gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
@@ -429,6 +406,37 @@ def gluon_resident_kernel(
     if PAD > 0:
         gl.thread_barrier()
         gl.store(committed_ptr + i_r, gl.sum(pad.index(PAD - 1).load(PAD_LD), axis=0), mask=H_V < 0)
+
+
+@gluon.jit
+def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j, decay,
+                  p_depth, zeros_t, SWEEPS: gl.constexpr = 1):
+    """A head's factors into shared memory as fp16 wgmma operands: ``G`` (negated) and ``C`` first, then
+    ``X = (I + G)^-1 = I + Y`` by level sweeps ``Y <- -G (I + Y)`` (fp16 operands, fp32 accumulation; the diagonal of
+    ``G X`` is 0: ``G`` links a node to its proper ancestors only, ``X`` a node to itself and its ancestors), leaving
+    ``W = X D_beta`` in ``w_smem`` and ``M = C X D_beta`` in ``m_smem`` (``x_smem`` the sweeps' scratch). The number
+    of sweeps is the tree's block depth at ``p_depth`` (none with ``SWEEPS`` 0: `ABLATIONS`)."""
+    w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
+                          -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
+    m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
+    b_y = zeros_t
+    for _ in range(gl.load(p_depth) * SWEEPS):
+        gl.thread_barrier()
+        x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
+    gl.thread_barrier()
+    b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
+    x_smem.store(b_x.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
+    gl.thread_barrier()
+    w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
+    m_smem.store(b_m.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit

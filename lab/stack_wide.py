@@ -23,10 +23,10 @@ import torch
 
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import KernelConfig
-from bole_tune.kernels import tree_verify
 from bole_tune.kernels.verify import planner
+from bole_tune.kernels.verify import run as run_module
 from bole_tune.shapes import HeadShape
-from lab_rows import release, save, show
+from lab_rows import check_and_time, release, save, show
 
 _SHIPPED_BLOCK = planner.node_block
 WIDE = [False]
@@ -77,17 +77,11 @@ def main() -> None:
             WIDE[0] = read.node_block == 32
             row = {"batch": batch, "tree_size": size, "kind": kind, "way": label, "verify_tiles": str(read.config),
                    "write_tiles": str(write.config), "block": read.node_block, "stacked": read.stack_qk}
-            try:
-                row["verify_error"] = bench.check(tree_verify, read)
-                row["fold_o_error"], row["fold_state_error"] = bench.fold_errors(write)
-                row["ring_o_error"], row["ring_state_error"] = bench.ring_errors(read, write, rounds=2, steps=5)
-                if not args.smoke:
-                    row["verify"] = bench.time_verify(tree_verify, read, args.repeats)[0].p50_us
-                    row["folded"] = bench.time_folded(write, args.repeats).p50_us
-                    times = bench.time_ring(4, 24, args.repeats, read_launch=read, write_launch=write)
-                    row.update({f"{k}_R4": t.p50_us for k, t in times.items() if k != "ring_end"})
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if check_and_time(row, bench, run_module.RESIDENT, read, write, args.repeats, 4, timed=not args.smoke):
+                try:
+                    row["ring_o_error"], row["ring_state_error"] = bench.ring_errors(read, write, rounds=2, steps=5)
+                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
             show(row, rows)
         bench = None
         release(device)
