@@ -63,7 +63,7 @@ def gluon_resident_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc, trace_ptr,
-    path_rows_ptr, prev_u_ptr, prev_k_ptr, prev_k_scale_ptr, prev_logp_ptr,
+    path_rows_ptr, prev_u_ptr, prev_k_ptr, prev_k_scale_ptr, prev_logp_ptr, ring_w_ptr, ring_decay_ptr,
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
@@ -73,7 +73,8 @@ def gluon_resident_kernel(
     S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
     PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
     V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
-    KP_SHARED: gl.constexpr,
+    KP_SHARED: gl.constexpr, RING: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
+    UP_SHARED: gl.constexpr, LD_UP: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -215,6 +216,22 @@ def gluon_resident_kernel(
         logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
         scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
         weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
+    elif RING:
+        # a ring read round's pending tokens j (rows of the earlier rounds' results; -1: none): their raw keys to
+        # shared memory (the B operand of Q K_p^T and K K_p^T), weights w_j = exp(L - L_j) r_k,j, decay exp(L)
+        o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
+        rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
+        m_p = rows_p >= 0
+        rows_p = gl.where(m_p, rows_p, 0)
+        kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+        for c in gl.static_range(NK):
+            o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
+            kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
+                                           mask=m_p[:, None], other=0.0))
+        o_pc = gl.arange(0, B_P, layout=gl.SliceLayout(0, MMA_P))
+        ring_w = gl.load(ring_w_ptr + (i_r * B_P + o_pc) * H_V + i_h)
+        ring_decay = gl.load(ring_decay_ptr + i_r * H_V + i_h)
+        fold_decay = 1.0
     else:
         kp_smem = 0
         fold_decay = 1.0
@@ -239,6 +256,25 @@ def gluon_resident_kernel(
     decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
     if (ABLATE & 64) == 0:
         b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
+    if RING:
+        # D_q = Q K_p^T diag(w), D_k = K K_p^T diag(w) (raw q and k: a_q, a_k scale the rows later), each scaled by
+        # its largest magnitude into fp16 in shared memory: the A operands of the corrections D U_p
+        b_dq = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
+        b_dk = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
+        for c in gl.static_range(NK):
+            b_dq = warpgroup_mma(q_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dq, is_async=True)
+            b_dk = warpgroup_mma(k_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dk, is_async=True)
+        b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))
+        b_dq = b_dq * ring_w[None, :]
+        b_dk = b_dk * ring_w[None, :]
+        ds_q = gl.max(gl.max(gl.abs(b_dq), axis=1), axis=0)
+        ds_q = gl.where(ds_q > 0.0, ds_q, 1.0)
+        ds_k = gl.max(gl.max(gl.abs(b_dk), axis=1), axis=0)
+        ds_k = gl.where(ds_k > 0.0, ds_k, 1.0)
+        dq_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
+        dk_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
+        dq_smem.store((b_dq / ds_q).to(gl.float16))
+        dk_smem.store((b_dk / ds_k).to(gl.float16))
     stamp(p_trace, 2, i_r, TRACE)
     # G (negated) and C to shared memory as fp16 wgmma operands; after the sweeps their buffers take W and M
     w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
@@ -255,7 +291,8 @@ def gluon_resident_kernel(
     a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
 
     if ROWS:
-        gl.static_assert(not PREFETCH and not COALESCE and not FOLD, "ROWS: no prefetch, coalesced stores or fold")
+        gl.static_assert(not PREFETCH and not COALESCE and not FOLD and not RING,
+                         "ROWS: no prefetch, coalesced stores, fold or ring")
         # the products the other way round, S Q^T and S K^T as [B_V, B_T] tiles: the state tile (its two bf16
         # parts) is the wgmma's A operand straight from registers, q and k its B operands in shared memory, so a
         # state tile never goes through shared memory and the stream has no barrier; R'^T is the readout's A
@@ -315,6 +352,13 @@ def gluon_resident_kernel(
         for t in gl.static_range(NV):
             b_qs = zeros_v
             b_ks = zeros_v
+            if RING:
+                o_pu = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_UP))
+                rows_u = gl.load(path_rows_ptr + i_r * B_P + o_pu).to(gl.int64)
+                m_u = rows_u >= 0
+                o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
+                b_up = gl.load(prev_u_ptr + gl.where(m_u, rows_u, 0)[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
+                               mask=m_u[:, None], other=0.0)
             if FOLD:
                 # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
                 # them (8 + 8 + 8 significant bits): with 16-bit keys each part's products are exact
@@ -354,6 +398,23 @@ def gluon_resident_kernel(
                     b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
                     b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
                 b_s = b_s_next
+            if RING:
+                # S' x = exp(L) (S x) + sum_j w_j (k_j . x) u_j: the products with the state as it is, scaled, plus
+                # D U_p on fp16 wgmma (the updates scaled by their largest magnitude, in R''s shared memory)
+                us = gl.max(gl.max(gl.abs(b_up), axis=1), axis=0)
+                us = gl.where(us > 0.0, us, 1.0)
+                up_smem = r_smem._reinterpret(gl.float16, [B_P, B_V], UP_SHARED)
+                gl.thread_barrier()
+                up_smem.store((b_up / us).to(gl.float16))
+                fence_async_shared()
+                gl.thread_barrier()
+                c_q = ds_q * us
+                c_k = ds_k * us
+                b_qs = warpgroup_mma(dq_smem, up_smem, b_qs * (ring_decay / c_q), is_async=True)
+                b_ks = warpgroup_mma(dk_smem, up_smem, b_ks * (ring_decay / c_k), is_async=True)
+                b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+                b_qs = b_qs * c_q
+                b_ks = b_ks * c_k
             # readout of this value tile
             if t == 0:
                 stamp(p_trace, 4, i_r, TRACE)
@@ -507,7 +568,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
-                prefetch: bool = False, coalesce: bool = False, trace=None, fold=None):
+                prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -524,18 +585,27 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     s32 = gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.float32)
     pool = state.view(-1, dk)
     s_desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [b_v, b_k], s32)
+    if fold is not None and ring is not None:
+        raise ValueError("fold or ring, not both")
+    b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
             trace if trace is not None else res.committed,
             *((fold[0], fold[1].u, fold[1].k, fold[1].k_scale, fold[1].log_decay) if fold is not None
+              else (ring.rows, ring.u, ring.k, res.k_scale, res.log_decay) if ring is not None
               else (res.committed, res.u, res.k, res.k_scale, res.log_decay)),
+            *((ring.w, ring.decay) if ring is not None else (res.log_decay, res.log_decay)),
             scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
                 TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce, TRACE=trace is not None,
-                FOLD=fold is not None, B_P=fold[0].shape[1] if fold is not None else 16,
+                FOLD=fold is not None, B_P=b_p,
                 LD_P=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
-                KP_SHARED=gl.NVMMASharedLayout.get_default_for([fold[0].shape[1] if fold is not None else 16, b_k],
-                                                               gl.bfloat16),
+                KP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_k], gl.bfloat16),
+                RING=ring is not None,
+                MMA_P=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, b_p, 16]),
+                DP_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_p], gl.float16),
+                UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
+                LD_UP=_blocked(b_p, b_v, 4, 4),
                 **layouts(q.dtype, b_k, b_v, rows=rows, fold=fold is not None),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
@@ -544,10 +614,10 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 trace=None, fold=None, out=None):
+                 trace=None, fold=None, ring=None, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold)
+                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -703,6 +773,116 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     return out
 
 
+RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True),
+                dict(b_k=32, b_v=64)]
+FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, coalesce=True),
+                     dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+
+
+def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -> dict:
+    """A ring of pending rounds on the Gluon kernel: read rounds (the tokens' corrections on wgmma, nothing written)
+    and write rounds (the same tokens folded, the pool written), each checked against float64 (outputs, and the state
+    a commit of every request's deepest node leaves after it), then timed side by side with the shipped verify, the
+    plain Gluon verify and the shipped all-layer commit; the projected round ((R - 1) reads + a write) / R."""
+    import functools
+
+    from bole_tune.bench import BenchCase, CaseBench
+    from bole_tune.kernels import LayerResults, tree_commit, tree_commit_layers, tree_verify
+    from bole_tune.kernels.reference import verify_reference
+    from bole_tune.kernels.verify.self_check import accepted_error
+    from bole_tune.timing import time_launches
+    from bole_tune.workloads import relative_error
+
+    bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
+    bound = accepted_error(torch.bfloat16)
+    tree_c, x_c = bench.reference_instance()
+    accepted_c = bench.deepest(tree_c)
+    nc = tree_c.num_requests
+
+    def check(kind: str, width: int, options: dict) -> dict:
+        filled = [width, 0, 1, width // 2] + [width] * max(0, nc - 4)
+        tokens = ring_tokens(nc, HEADS_9B, width, "cuda", filled=filled[:nc])
+        want = ring_state(x_c.state, x_c.state_indices, tokens, HEADS_9B)
+        ref = verify_reference(x_c.q, x_c.k, x_c.v, x_c.g, x_c.beta, want.float(), x_c.state_indices, tree_c,
+                               keep_states=True)
+        pool = x_c.state.clone()
+        res = gluon_verify(*x_c.args(tree_c), **({"ring": tokens} if kind == "read" else
+                                                  {"fold": (tokens.rows, tokens)}), **options)
+        out = {"error": relative_error(res.o, ref.o)}
+        touched = x_c.state_indices.long()
+        if kind == "write":
+            out["written_error"] = relative_error(x_c.state[touched], want.float()[touched])
+            committed = x_c.state
+        else:
+            out["untouched"] = bool(torch.equal(pool, x_c.state))
+            committed = want.float()
+        committed = committed.clone()
+        tree_commit(committed, x_c.state_indices, res, accepted_c, validate=False)
+        out["state_error"] = relative_error(committed, ref.committed(want, x_c.state_indices, tree_c, accepted_c))
+        x_c.state.copy_(pool)  # the write round wrote the reference instance's pool: back for the next check
+        out["ok"] = (max(out["error"], out["state_error"], out.get("written_error", 0.0)) <= bound
+                     and out.get("untouched", True))
+        return out
+
+    out = {"batch": batch, "layers": layers, "runs": []}
+    shipped = bench.launch()
+    out["shipped_verify_us"] = bench.time_verify(tree_verify, shipped, repeats=repeats)[0].p50_us
+    out["gluon_verify_us"] = bench.time_verify(functools.partial(gluon_verify, **RING_CONFIGS[0]), None,
+                                               repeats=repeats)[0].p50_us
+    print(f"B={batch}: shipped verify {out['shipped_verify_us']:.1f} us, Gluon verify {out['gluon_verify_us']:.1f}",
+          flush=True)
+    for width in widths:
+        tokens = ring_tokens(batch, HEADS_9B, width, "cuda")
+        for kind, configs in (("read", RING_CONFIGS), ("write", FOLD_WIDE_CONFIGS)):
+            for options in configs:
+                entry = dict(options, kind=kind, width=width)
+                try:
+                    entry.update(check(kind, width, options))
+                    if entry["ok"]:
+                        extra = {"ring": tokens} if kind == "read" else {"fold": (tokens.rows, tokens)}
+                        entry["us"] = bench.time_verify(functools.partial(gluon_verify, **extra, **options), None,
+                                                        repeats=repeats)[0].p50_us
+                    else:
+                        entry["status"] = "wrong: not timed"
+                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+                    entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+                print(f"ring {entry}", flush=True)
+                out["runs"].append(entry)
+    # the shipped all-layer commit of each request's deepest path, per layer (as `CaseBench.time_rounds` times it)
+    tree, pool, inputs, slots = bench.sets(64)
+    x = inputs[0]
+    stacked = LayerResults.empty(layers, tree, HEADS_9B, torch.bfloat16, "cuda")
+    states = torch.stack([pool[slots[0].long()]] * layers)
+    own = torch.arange(batch, dtype=torch.int32, device="cuda")
+    for layer in range(layers):
+        tree_verify(x.q, x.k, x.v, x.g, x.beta, states[layer], own, tree, launch=shipped, out=stacked.layer(layer))
+    accepted = bench.deepest(tree)
+    whole = time_launches(lambda _: (stacked.committed.zero_(), tree_commit_layers(states, own, stacked, tree, accepted)),
+                          1, torch.device("cuda"), repeats=repeats)
+    out["commit_layers_us"] = whole.p50_us / layers
+    print(f"all-layer commit {out['commit_layers_us']:.1f} us a layer", flush=True)
+    return out
+
+
+def print_ring(out: dict) -> None:
+    """`ring_run`'s figures and the projected ring rounds as a markdown table."""
+    b = out["batch"]
+    runs = [r for r in out["runs"] if "us" in r]
+    print(f"\n| B={b} T=64, us per layer | " + " | ".join(("width", "read (best)", "write (best)", "R=2", "R=4", "R=8"))
+          + " |\n|---|---|---|---|---|---|---|")
+    print(f"| shipped verify {out['shipped_verify_us']:.1f} + all-layer commit {out['commit_layers_us']:.1f} = "
+          f"{out['shipped_verify_us'] + out['commit_layers_us']:.1f}; Gluon verify {out['gluon_verify_us']:.1f} "
+          f"+ commit = {out['gluon_verify_us'] + out['commit_layers_us']:.1f} |  |  |  |  |  |  |")
+    for width in sorted({r["width"] for r in runs}):
+        reads = [r["us"] for r in runs if r["width"] == width and r["kind"] == "read"]
+        writes = [r["us"] for r in runs if r["width"] == width and r["kind"] == "write"]
+        if not reads or not writes:
+            continue
+        rd, wr = min(reads), min(writes + [min(reads) + out["commit_layers_us"]])
+        cells = [f"{((n - 1) * rd + wr) / n:.1f}" for n in (2, 4, 8)]
+        print(f"| Gluon ring | {width} | {rd:.1f} | {wr:.1f} | " + " | ".join(cells) + " |")
+
+
 def errors(bench, verify) -> tuple[float, float]:
     """(outputs, committed state) relative errors of ``verify`` on the bench's reference instance against float64:
     the outputs, and the pool a commit of every request's deepest node leaves (so ``u``, logP and the keys too)."""
@@ -763,14 +943,62 @@ def gpu_run(repeats: int, only_batch=None, candidates=None, verify_fn=None, labe
 
 
 def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False,
-                   rows: bool = False, tma_stages: int = 0) -> dict:
+                   rows: bool = False, tma_stages: int = 0, ring_width: int = 0, **options) -> dict:
     """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
     tree, x = compile_instance(batch)
+    ring = ring_tokens(batch, HEADS_9B, ring_width, "cpu") if ring_width else None
     grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows,
-                                      tma_stages=tma_stages)
+                                      tma_stages=tma_stages, ring=ring, **options)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return compile_sm90(gluon_resident_kernel, args, meta)
+
+
+def ring_tokens(batch: int, heads: HeadShape, width: int, device, seed: int = 7, filled: list[int] | None = None):
+    """Pending tokens of a ring read round as the lab kernel takes them, and the same tokens as one folded path.
+
+    Per request ``width`` table entries (``filled[r]`` of them real, default all; ``rows`` -1 past them), each a row
+    of token buffers: raw bf16 keys ``k`` ``[N, hk * dk]``, fp32 updates ``u`` ``[N, hv, dv]``, their key norms
+    ``k_scale`` ``[N, hk]`` and log-decays ``log_decay`` ``[N, hv]`` (decreasing along a request's entries, as along
+    a chain of accepted paths). The ring's weights ``w`` ``[batch, width, hv]`` are ``exp(L - L_j) k_scale_j`` and its
+    decays ``decay`` ``[batch, hv]`` are ``exp(L)``, ``L`` the last real entry's log-decay: exactly what the fold of
+    the path ``rows`` (`gluon_verify(fold=(rows, tokens))`) applies, so one float64 state (`ring_state`) checks both."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(seed)
+    filled = filled if filled is not None else [width] * batch
+    n, g = batch * width, heads.hv // heads.hk
+    k = torch.randn(n, heads.hk * heads.dk, generator=gen).to(torch.bfloat16)
+    u = torch.randn(n, heads.hv, heads.dv, generator=gen) * 0.5
+    k_scale = 1.0 / k.float().view(n, heads.hk, heads.dk).norm(dim=-1)
+    log_decay = -(torch.rand(batch, width, heads.hv, generator=gen) * 0.05).cumsum(1)
+    rows = torch.arange(n, dtype=torch.int32).view(batch, width).clone()
+    w = torch.zeros(batch, width, heads.hv)
+    decay = torch.ones(batch, heads.hv)
+    for r, f in enumerate(filled):
+        rows[r, f:] = -1
+        if f:
+            last = log_decay[r, f - 1]
+            w[r, :f] = torch.exp(last - log_decay[r, :f]) * k_scale.view(batch, width, heads.hk)[r, :f].repeat_interleave(g, 1)
+            decay[r] = torch.exp(last)
+    return SimpleNamespace(rows=rows.to(device), u=u.to(device), k=k.to(device), k_scale=k_scale.to(device),
+                           log_decay=log_decay.reshape(n, heads.hv).contiguous().to(device),
+                           w=w.contiguous().to(device), decay=decay.to(device))
+
+
+def ring_state(pool, slots, tokens, heads: HeadShape) -> torch.Tensor:
+    """The pool a ring read round reads through, in float64: each request's slot ``exp(L) S + sum_j w_j u_j k_j^T``
+    (``k_j`` the raw keys), the other slots as they are."""
+    out = pool.double().clone()
+    g = heads.hv // heads.hk
+    for r, s in enumerate(slots.long().tolist()):
+        rows = tokens.rows[r].long()
+        m = rows >= 0
+        rows = rows[m]
+        k = tokens.k[rows].double().view(-1, heads.hk, heads.dk).repeat_interleave(g, dim=1)  # [m, hv, dk]
+        u = tokens.u[rows].double() * tokens.w[r][m].double()[:, :, None]  # [m, hv, dv]
+        out[s] = out[s] * tokens.decay[r].double()[:, None, None] + torch.einsum("jhv,jhk->hvk", u, k)
+    return out
 
 
 def compile_instance(batch: int):
@@ -838,6 +1066,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
     parser.add_argument("--fold", action="store_true", help="H200: the folded round in Gluon at B=16, checked, timed")
+    parser.add_argument("--ring", action="store_true", help="H200: a ring's read and write rounds in Gluon, checked, timed")
     parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
     args = parser.parse_args()
     if args.compile:
@@ -847,7 +1076,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
     batch = (args.batch or [16])[0]
-    if args.fold:
+    if args.ring:
+        outs = [ring_run(args.repeats, b) for b in (args.batch or [16])]
+        dump(outs, args.json)
+        for o in outs:
+            print_ring(o)
+    elif args.fold:
         dump(fold_run(args.repeats, batch), args.json)
     elif args.trace:
         dump(trace_run(TRACE_CONFIGS, batch), args.json)
