@@ -73,8 +73,8 @@ def gluon_resident_kernel(
     S32_SHARED: gl.constexpr, ABLATE: gl.constexpr, PAD: gl.constexpr,
     PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
     V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
-    KP_SHARED: gl.constexpr, RING: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
-    UP_SHARED: gl.constexpr, LD_UP: gl.constexpr,
+    KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
+    UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -155,6 +155,18 @@ def gluon_resident_kernel(
                                                    mask=m_t[:, None])
             async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
                                                    mask=m_t[:, None])
+        if RING_ASYNC:
+            # a ring read round's token keys join the first group
+            o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_KP))
+            rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
+            m_p = rows_p >= 0
+            rows_p = gl.where(m_p, rows_p, 0)
+            kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+            for c in gl.static_range(NK):
+                o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_KP))
+                async_copy.async_copy_global_to_shared(
+                    kp_smem.index(c), prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
+                    mask=m_p[:, None])
         async_copy.commit_group()
         v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [NV, B_T, B_V], V_SHARED)
         o_tv = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_V))
@@ -162,6 +174,18 @@ def gluon_resident_kernel(
             o_vl = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_V))
             async_copy.async_copy_global_to_shared(v_smem.index(t), p_v + o_tv[:, None] * stride_v_n + o_vl[None, :],
                                                    mask=(o_tv < num_nodes)[:, None])
+        if RING_ASYNC:
+            # and their fp32 updates, every value tile, the second group
+            u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
+            o_pu = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_UP))
+            rows_u = gl.load(path_rows_ptr + i_r * B_P + o_pu).to(gl.int64)
+            m_u = rows_u >= 0
+            for t in gl.static_range(NV):
+                o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
+                async_copy.async_copy_global_to_shared(
+                    u32_smem.index(t),
+                    prev_u_ptr + gl.where(m_u, rows_u, 0)[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
+                    mask=m_u[:, None])
         async_copy.commit_group()
     else:
         v_smem = 0  # unused: v tiles loaded in the readout
@@ -219,15 +243,16 @@ def gluon_resident_kernel(
     elif RING:
         # a ring read round's pending tokens j (rows of the earlier rounds' results; -1: none): their raw keys to
         # shared memory (the B operand of Q K_p^T and K K_p^T), weights w_j = exp(L - L_j) r_k,j, decay exp(L)
-        o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
-        rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
-        m_p = rows_p >= 0
-        rows_p = gl.where(m_p, rows_p, 0)
-        kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-        for c in gl.static_range(NK):
-            o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
-            kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
-                                           mask=m_p[:, None], other=0.0))
+        if not RING_ASYNC:
+            o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
+            rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
+            m_p = rows_p >= 0
+            rows_p = gl.where(m_p, rows_p, 0)
+            kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+            for c in gl.static_range(NK):
+                o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
+                kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
+                                               mask=m_p[:, None], other=0.0))
         o_pc = gl.arange(0, B_P, layout=gl.SliceLayout(0, MMA_P))
         ring_w = gl.load(ring_w_ptr + (i_r * B_P + o_pc) * H_V + i_h)
         ring_decay = gl.load(ring_decay_ptr + i_r * H_V + i_h)
@@ -271,6 +296,9 @@ def gluon_resident_kernel(
         ds_q = gl.where(ds_q > 0.0, ds_q, 1.0)
         ds_k = gl.max(gl.max(gl.abs(b_dk), axis=1), axis=0)
         ds_k = gl.where(ds_k > 0.0, ds_k, 1.0)
+        if RING_ASYNC:  # one scale for both: the corrections share the state products' accumulation chain
+            ds_q = gl.maximum(ds_q, ds_k)
+            ds_k = ds_q
         dq_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
         dk_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
         dq_smem.store((b_dq / ds_q).to(gl.float16))
@@ -283,6 +311,23 @@ def gluon_resident_kernel(
     zeros_t = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
     solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j, decay,
                   block_depth_ptr + i_r, zeros_t, 1 - (ABLATE & 1))
+    if RING_ASYNC:
+        # the tokens' updates (arrived by cp.async) scaled by their largest magnitude into fp16, every value tile:
+        # the B operands of D U_p, which open each tile's accumulation; the state tiles are scaled by
+        # exp(L) / (ds us) as they are split, and the tile's products by ds us after it
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        us = 0.0
+        for t in gl.static_range(NV):
+            us = gl.maximum(us, gl.max(gl.max(gl.abs(u32_smem.index(t).load(LD_UP)), axis=1), axis=0))
+        us = gl.where(us > 0.0, us, 1.0)
+        up16_smem = gl.allocate_shared_memory(gl.float16, [NV, B_P, B_V], UP_SHARED)
+        for t in gl.static_range(NV):
+            up16_smem.index(t).store((u32_smem.index(t).load(LD_UP) / us).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        ring_c = ds_q * us
+        ring_f = ring_decay / ring_c
     stamp(p_trace, 3, i_r, TRACE)
     b_decay = gl.exp(logp_i)
     gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
@@ -352,7 +397,10 @@ def gluon_resident_kernel(
         for t in gl.static_range(NV):
             b_qs = zeros_v
             b_ks = zeros_v
-            if RING:
+            if RING_ASYNC:
+                b_qs = warpgroup_mma(dq_smem, up16_smem.index(t), zeros_v, use_acc=False, is_async=True)
+                b_ks = warpgroup_mma(dk_smem, up16_smem.index(t), zeros_v, use_acc=False, is_async=True)
+            if RING and not RING_ASYNC:
                 o_pu = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_UP))
                 rows_u = gl.load(path_rows_ptr + i_r * B_P + o_pu).to(gl.int64)
                 m_u = rows_u >= 0
@@ -384,6 +432,8 @@ def gluon_resident_kernel(
                     b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
                     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
                     gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
+                if RING_ASYNC:
+                    b_s = b_s * ring_f
                 b_hi = b_s.to(gl.bfloat16)
                 b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
                 gl.thread_barrier()
@@ -398,7 +448,10 @@ def gluon_resident_kernel(
                     b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
                     b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
                 b_s = b_s_next
-            if RING:
+            if RING_ASYNC:
+                b_qs = b_qs * ring_c
+                b_ks = b_ks * ring_c
+            if RING and not RING_ASYNC:
                 # S' x = exp(L) (S x) + sum_j w_j (k_j . x) u_j: the products with the state as it is, scaled, plus
                 # D U_p on fp16 wgmma (the updates scaled by their largest magnitude, in R''s shared memory)
                 us = gl.max(gl.max(gl.abs(b_up), axis=1), axis=0)
@@ -568,7 +621,8 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
-                prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None):
+                prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
+                ring_async: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -587,6 +641,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     s_desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [b_v, b_k], s32)
     if fold is not None and ring is not None:
         raise ValueError("fold or ring, not both")
+    if ring_async and not (ring is not None and prefetch):
+        raise ValueError("ring_async: a ring read round with prefetch")
     b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
@@ -601,11 +657,11 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 FOLD=fold is not None, B_P=b_p,
                 LD_P=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
                 KP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_k], gl.bfloat16),
-                RING=ring is not None,
+                RING=ring is not None, RING_ASYNC=ring is not None and ring_async,
                 MMA_P=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, b_p, 16]),
                 DP_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_p], gl.float16),
                 UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
-                LD_UP=_blocked(b_p, b_v, 4, 4),
+                LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
                 **layouts(q.dtype, b_k, b_v, rows=rows, fold=fold is not None),
                 num_warps=4)
     return (hv, tree.num_requests), args, meta, res
@@ -614,10 +670,11 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 trace=None, fold=None, ring=None, out=None):
+                 trace=None, fold=None, ring=None, ring_async: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
-                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring)
+                                        rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
+                                        ring_async)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -773,10 +830,10 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     return out
 
 
-RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True),
-                dict(b_k=32, b_v=64)]
-FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, coalesce=True),
-                     dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=True),
+                dict(b_k=32, b_v=64, prefetch=True, ring_async=True),
+                dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True)]
+FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
 
 
 def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -> dict:
