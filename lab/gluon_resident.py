@@ -884,7 +884,8 @@ def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -
     out = {"batch": batch, "layers": layers, "runs": []}
     shipped = bench.launch()
     out["shipped_verify_us"] = bench.time_verify(tree_verify, shipped, repeats=repeats)[0].p50_us
-    out["gluon_verify_us"] = bench.time_verify(functools.partial(gluon_verify, **RING_CONFIGS[0]), None,
+    out["gluon_verify_us"] = bench.time_verify(functools.partial(gluon_verify, b_k=32, b_v=64, prefetch=True,
+                                                                 coalesce=True), None,
                                                repeats=repeats)[0].p50_us
     print(f"B={batch}: shipped verify {out['shipped_verify_us']:.1f} us, Gluon verify {out['gluon_verify_us']:.1f}",
           flush=True)
