@@ -602,8 +602,10 @@ def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.Blocke
 def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bool = False, fold: bool = False) -> dict:
     """The kernel's layout constexprs for 16-bit inputs (``rows``: the state tiles loaded as wgmma A operands)."""
     g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_T, 16])
-    mma_v = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, b_v, 16])
+    # 8 warps: two warpgroups, each holding half of every product's columns
+    wg = num_warps // 4
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wg], instr_shape=[16, B_T // wg, 16])
+    mma_v = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wg], instr_shape=[16, b_v // wg, 16])
     return dict(
         MMA=mma, MMA_V=mma_v,
         LD=_blocked(B_T, b_k, 2, num_warps),
@@ -622,7 +624,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
-                ring_async: bool = False):
+                ring_async: bool = False, warps: int = 4):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -643,6 +645,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
         raise ValueError("fold or ring, not both")
     if ring_async and not (ring is not None and prefetch):
         raise ValueError("ring_async: a ring read round with prefetch")
+    if warps != 4 and (fold is not None or ring is not None or rows or tma_stages):
+        raise ValueError("warps: 8 only for the plain verify")
     b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, s_desc,
@@ -662,19 +666,19 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 DP_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_p], gl.float16),
                 UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
                 LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
-                **layouts(q.dtype, b_k, b_v, rows=rows, fold=fold is not None),
-                num_warps=4)
+                **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
+                num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
 
 
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 trace=None, fold=None, ring=None, ring_async: bool = False, out=None):
+                 trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
-                                        ring_async)
+                                        ring_async, warps)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -695,6 +699,14 @@ CANDIDATES = [
     dict(b_k=64, b_v=32, prefetch=True, coalesce=True),
 ]
 
+# two warpgroups a program, each half of every product's columns (`--warps8`): 8 warps at 165 registers hold one
+# program an SM, capped at 128 (40 B spilled) two
+WARPS8_CANDIDATES = [
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True),
+    dict(b_k=32, b_v=64, prefetch=True, warps=8),
+    dict(b_k=32, b_v=64, prefetch=True, warps=8, maxnreg=128),
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True, warps=8, maxnreg=128),
+]
 
 # parts of the work an `--ablate` run leaves out, one bit each (timing only: the outputs are wrong); not with ``rows``
 ABLATIONS = {1: "level sweeps", 2: "state products", 4: "state loads (no TMA ring)", 8: "u stores", 16: "o stores",
@@ -1124,6 +1136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
     parser.add_argument("--fold", action="store_true", help="H200: the folded round in Gluon at B=16, checked, timed")
+    parser.add_argument("--warps8", action="store_true", help="H200: 8-warp programs (two warpgroups) against 4")
     parser.add_argument("--ring", action="store_true", help="H200: a ring's read and write rounds in Gluon, checked, timed")
     parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
     args = parser.parse_args()
@@ -1134,7 +1147,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
     batch = (args.batch or [16])[0]
-    if args.ring:
+    if args.warps8:
+        rows = gpu_run(args.repeats, args.batch, candidates=WARPS8_CANDIDATES)
+        dump(rows, args.json)
+        print_table(rows, WARPS8_CANDIDATES, "gluon")
+    elif args.ring:
         outs = [ring_run(args.repeats, b) for b in (args.batch or [16])]
         dump(outs, args.json)
         for o in outs:
