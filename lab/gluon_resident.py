@@ -940,7 +940,8 @@ def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -
 
 
 def print_ring(out: dict) -> None:
-    """`ring_run`'s figures and the projected ring rounds as a markdown table."""
+    """`ring_run`'s figures and the projected ring rounds as a markdown table (a write round: the faster of the Gluon
+    fold of the tokens and the read round plus the shipped all-layer commit, whose paths are the deepest nodes')."""
     b = out["batch"]
     runs = [r for r in out["runs"] if "us" in r]
     print(f"\n| B={b} T=64, us per layer | " + " | ".join(("width", "read (best)", "write (best)", "R=2", "R=4", "R=8"))
