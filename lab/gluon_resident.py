@@ -69,7 +69,7 @@ def gluon_resident_kernel(
     offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc, trace_ptr,
     path_rows_ptr, prev_u_ptr, prev_k_ptr, prev_k_scale_ptr, prev_logp_ptr, ring_w_ptr, ring_decay_ptr,
-    scale, H_V, H_K,
+    scale, H_V, H_K, n_programs,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
     stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
     stride_s_slot, stride_s_h, stride_s_v,
@@ -79,7 +79,7 @@ def gluon_resident_kernel(
     PREFETCH: gl.constexpr, COALESCE: gl.constexpr, LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr,
     V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
     KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
-    UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr,
+    UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -267,6 +267,12 @@ def gluon_resident_kernel(
         fold_decay = 1.0
     fence_async_shared()
     gl.thread_barrier()
+    if L2_AHEAD > 0:
+        # the inputs of the program L2_AHEAD launch positions later (the next wave's on this SM, roughly) requested
+        # into L2 while this one works: its q, k and v rows and its state, 128 bytes a prefetch
+        l2_ahead(i_r * H_V + i_h + L2_AHEAD, H_V, group, offsets_ptr, state_indices_ptr, q_ptr, k_ptr, v_ptr,
+                 state_ptr, stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h, stride_s_slot,
+                 stride_s_h, n_programs, D_K, D_V, B_T, LD_L2)
     stamp(p_trace, 1, i_r, TRACE)
 
     # Gram products on bf16 wgmma, from shared memory
@@ -559,6 +565,41 @@ def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, b
 
 
 @gluon.jit
+def l2_ahead(lin, H_V, group, offsets_ptr, state_indices_ptr, q_ptr, k_ptr, v_ptr, state_ptr, stride_q_n, stride_q_h,
+             stride_k_n, stride_k_h, stride_v_n, stride_v_h, stride_s_slot, stride_s_h, n_programs,
+             D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, LD_L2: gl.constexpr):
+    """``prefetch.global.L2`` of program ``lin``'s inputs (nothing past the launch's ``n_programs``): the tree's q, k
+    and v rows (128-byte lines of 16-bit rows) and the head's fp32 state."""
+    if lin < n_programs:
+        h = lin % H_V
+        r = lin // H_V
+        bos = gl.load(offsets_ptr + r).to(gl.int64)
+        n = gl.load(offsets_ptr + r + 1).to(gl.int64) - bos
+        slot = gl.load(state_indices_ptr + r).to(gl.int64)
+        LINES: gl.constexpr = D_K * 2 // 128
+        o_t = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_L2))
+        o_l = gl.arange(0, LINES, layout=gl.SliceLayout(0, LD_L2)) * 64
+        m = (o_t < n)[:, None] & (o_l >= 0)[None, :]
+        rows = bos + o_t
+        l2_prefetch(q_ptr + rows[:, None] * stride_q_n + (h // group) * stride_q_h + o_l[None, :], m)
+        l2_prefetch(k_ptr + rows[:, None] * stride_k_n + (h // group) * stride_k_h + o_l[None, :], m)
+        l2_prefetch(v_ptr + rows[:, None] * stride_v_n + h * stride_v_h + o_l[None, :], m)
+        # the state: D_V rows of D_K fp32, B_T rows at a time
+        S_LINES: gl.constexpr = D_K * 4 // 128
+        o_s = gl.arange(0, S_LINES, layout=gl.SliceLayout(0, LD_L2)) * 32
+        p_s = state_ptr + slot * stride_s_slot + h * stride_s_h
+        for c in gl.static_range(D_V // B_T):
+            l2_prefetch(p_s + (c * B_T + o_t)[:, None] * D_K + o_s[None, :], (o_t >= 0)[:, None] & (o_s >= 0)[None, :])
+
+
+@gluon.jit
+def l2_prefetch(ptrs, mask):
+    """One ``prefetch.global.L2`` per masked-in pointer."""
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def stamp(p_trace, idx: gl.constexpr, dep, TRACE: gl.constexpr):
     """With ``TRACE``, the global timer (ns) into ``p_trace[idx]``: where a program's time goes."""
     if TRACE:
@@ -629,7 +670,7 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
-                ring_async: bool = False, warps: int = 4):
+                ring_async: bool = False, warps: int = 4, l2_ahead: int = 0):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
     n, hk, dk = q.shape
@@ -660,7 +701,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
               else (ring.rows, ring.u, ring.k, res.k_scale, res.log_decay) if ring is not None
               else (res.committed, res.u, res.k, res.k_scale, res.log_decay)),
             *((ring.w, ring.decay) if ring is not None else (res.log_decay, res.log_decay)),
-            scale, hv, hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
+            scale, hv, hk, hv * tree.num_requests, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
                 TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce, TRACE=trace is not None,
                 FOLD=fold is not None, B_P=b_p,
@@ -671,6 +712,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 DP_SHARED=gl.NVMMASharedLayout.get_default_for([B_T, b_p], gl.float16),
                 UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
                 LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
+                L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -679,11 +721,12 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
 def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, validate=False, b_k: int = 32,
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
-                 trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, out=None):
+                 trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
+                 out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
-                                        ring_async, warps)
+                                        ring_async, warps, l2_ahead)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -711,6 +754,14 @@ WARPS8_CANDIDATES = [
     dict(b_k=32, b_v=64, prefetch=True, warps=8),
     dict(b_k=32, b_v=64, prefetch=True, warps=8, maxnreg=128),
     dict(b_k=32, b_v=64, prefetch=True, coalesce=True, warps=8, maxnreg=128),
+]
+# the next wave's inputs prefetched into L2 (`--l2`): each program requests those of the program this many launch
+# positions later (two programs an SM on 132 SMs: 264 is the next wave's)
+L2_CANDIDATES = [
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True),
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True, l2_ahead=264),
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True, l2_ahead=132),
+    dict(b_k=32, b_v=64, prefetch=True, coalesce=True, l2_ahead=396),
 ]
 
 # parts of the work an `--ablate` run leaves out, one bit each (timing only: the outputs are wrong); not with ``rows``
@@ -1142,6 +1193,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
     parser.add_argument("--fold", action="store_true", help="H200: the folded round in Gluon at B=16, checked, timed")
+    parser.add_argument("--l2", action="store_true", help="H200: the next wave's inputs prefetched into L2")
     parser.add_argument("--warps8", action="store_true", help="H200: 8-warp programs (two warpgroups) against 4")
     parser.add_argument("--ring", action="store_true", help="H200: a ring's read and write rounds in Gluon, checked, timed")
     parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
@@ -1153,10 +1205,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
     batch = (args.batch or [16])[0]
-    if args.warps8:
-        rows = gpu_run(args.repeats, args.batch, candidates=WARPS8_CANDIDATES)
+    if args.warps8 or args.l2:
+        candidates = WARPS8_CANDIDATES if args.warps8 else L2_CANDIDATES
+        rows = gpu_run(args.repeats, args.batch, candidates=candidates)
         dump(rows, args.json)
-        print_table(rows, WARPS8_CANDIDATES, "gluon")
+        print_table(rows, candidates, "gluon")
     elif args.ring:
         outs = [ring_run(args.repeats, b) for b in (args.batch or [16])]
         dump(outs, args.json)
