@@ -899,12 +899,16 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
 
 
 RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=True),
+                dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=True, l2_ahead=396),
                 dict(b_k=32, b_v=64, prefetch=True, ring_async=True),
                 dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True)]
-FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, prefetch=True, l2_ahead=396),
+                     dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+# `--ring --quick`: the best read and write of the full sets, with and without the next wave's inputs in L2
+RING_QUICK = ([RING_CONFIGS[0], RING_CONFIGS[1]], [FOLD_WIDE_CONFIGS[0], FOLD_WIDE_CONFIGS[1]])
 
 
-def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -> dict:
+def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24, quick: bool = False) -> dict:
     """A ring of pending rounds on the Gluon kernel: read rounds (the tokens' corrections on wgmma, nothing written)
     and write rounds (the same tokens folded, the pool written), each checked against float64 (outputs, and the state
     a commit of every request's deepest node leaves after it), then timed side by side with the shipped verify, the
@@ -959,7 +963,8 @@ def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24) -
           flush=True)
     for width in widths:
         tokens = ring_tokens(batch, HEADS_9B, width, "cuda")
-        for kind, configs in (("read", RING_CONFIGS), ("write", FOLD_WIDE_CONFIGS)):
+        reads, writes = RING_QUICK if quick else (RING_CONFIGS, FOLD_WIDE_CONFIGS)
+        for kind, configs in (("read", reads), ("write", writes)):
             for options in configs:
                 entry = dict(options, kind=kind, width=width)
                 try:
@@ -1193,6 +1198,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--ablate", action="store_true", help="H200: time B=16 with parts of the work left out")
     parser.add_argument("--fold", action="store_true", help="H200: the folded round in Gluon at B=16, checked, timed")
+    parser.add_argument("--quick", action="store_true", help="--ring: only the best read and write, with and without L2")
     parser.add_argument("--l2", action="store_true", help="H200: the next wave's inputs prefetched into L2")
     parser.add_argument("--warps8", action="store_true", help="H200: 8-warp programs (two warpgroups) against 4")
     parser.add_argument("--ring", action="store_true", help="H200: a ring's read and write rounds in Gluon, checked, timed")
@@ -1211,7 +1217,7 @@ def main() -> None:
         dump(rows, args.json)
         print_table(rows, candidates, "gluon")
     elif args.ring:
-        outs = [ring_run(args.repeats, b) for b in (args.batch or [16])]
+        outs = [ring_run(args.repeats, b, quick=args.quick) for b in (args.batch or [16])]
         dump(outs, args.json)
         for o in outs:
             print_ring(o)
