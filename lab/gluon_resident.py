@@ -25,7 +25,8 @@ against the float64 reference (and the committed state of every request's deepes
     python3 lab/gluon_resident.py [--json OUT] [--repeats 30]      # H200: check, then time against the shipped
     python3 lab/gluon_resident.py --ablate | --trace | --fold      # H200, B=16: parts left out (timed only), each
                                                                    # program's phases, the commit folded in
-    python3 lab/gluon_resident.py --ring | --warps8 [--batch B]    # H200: a ring's read / write rounds, 8 warps
+    python3 lab/gluon_resident.py --ring [--quick] | --warps8 | --l2 [--batch B]  # H200: a ring's rounds, 8 warps,
+                                                                   # the next wave's inputs in L2
 
 Later options (twentieth session): ``prefetch`` (every q, k and v row of the tree requested at once by cp.async,
 rows past the tree zero-filled), ``coalesce`` (u and o stored through row-contiguous layouts), ``ablate`` / ``pad``
@@ -34,7 +35,8 @@ paths applied to each state tile on wgmma, the pool written in place).
 Twenty-first session: ``ring`` (a ring read round: pending tokens' corrections ``exp(L) S x + sum_j w_j (k_j . x) u_j``
 on wgmma, nothing written; ``ring_async`` brings their keys and updates by cp.async and opens each value tile's
 accumulation with them), ``fold`` of such tokens as one path (a ring's write round), `ring_run` (``--ring``: both
-checked against float64 on synthetic tokens, `ring_tokens` / `ring_state`, and timed) and ``warps`` 8 (``--warps8``).
+checked against float64 on synthetic tokens, `ring_tokens` / `ring_state`, and timed), ``warps`` 8 (``--warps8``) and
+``l2_ahead`` (``--l2``: each program prefetches into L2 the inputs of the program that many launch positions later).
 
 Only 16-bit inputs with L2-normalised q and k on trees of at most 64 nodes and depth at most 12 (the shipped planner's
 fp16-sweep conditions).
