@@ -164,16 +164,9 @@ def gluon_resident_kernel(
                                                    mask=m_t[:, None])
         if RING_ASYNC:
             # a ring read round's token keys join the first group
-            o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_KP))
-            rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
-            m_p = rows_p >= 0
-            rows_p = gl.where(m_p, rows_p, 0)
+            rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_KP))
             kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-            for c in gl.static_range(NK):
-                o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_KP))
-                async_copy.async_copy_global_to_shared(
-                    kp_smem.index(c), prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
-                    mask=m_p[:, None])
+            token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_KP, True)
         async_copy.commit_group()
         v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [NV, B_T, B_V], V_SHARED)
         o_tv = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_V))
@@ -184,14 +177,11 @@ def gluon_resident_kernel(
         if RING_ASYNC:
             # and their fp32 updates, every value tile, the second group
             u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
-            o_pu = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_UP))
-            rows_u = gl.load(path_rows_ptr + i_r * B_P + o_pu).to(gl.int64)
-            m_u = rows_u >= 0
+            rows_u, m_u = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_UP))
             for t in gl.static_range(NV):
                 o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
                 async_copy.async_copy_global_to_shared(
-                    u32_smem.index(t),
-                    prev_u_ptr + gl.where(m_u, rows_u, 0)[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
+                    u32_smem.index(t), prev_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
                     mask=m_u[:, None])
         async_copy.commit_group()
     else:
@@ -228,22 +218,13 @@ def gluon_resident_kernel(
         # the previous round's accepted path of this slot (docs/math.md §4): its rows, weights
         # w_j = exp(logP_a - logP_j) * k_scale_j and decay P_a = exp(logP_a) (1 and no rows: nothing pending); its keys
         # to shared memory as the fold's B operand
-        o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
-        rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
-        m_p = rows_p >= 0
-        rows_p = gl.where(m_p, rows_p, 0)
+        rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_P))
         row_a = gl.max(gl.where(m_p, rows_p, -1), axis=0)
         logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
         fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
         kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-        for c in gl.static_range(NK):
-            o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
-            kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
-                                           mask=m_p[:, None], other=0.0))
-        o_pc = gl.arange(0, B_P, layout=gl.SliceLayout(0, LD_P))
-        rows_pc = gl.load(path_rows_ptr + i_r * B_P + o_pc).to(gl.int64)
-        m_pc = rows_pc >= 0
-        rows_pc = gl.where(m_pc, rows_pc, 0)
+        token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
+        rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
         logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
         scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
         weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
@@ -251,15 +232,9 @@ def gluon_resident_kernel(
         # a ring read round's pending tokens j (rows of the earlier rounds' results; -1: none): their raw keys to
         # shared memory (the B operand of Q K_p^T and K K_p^T), weights w_j = exp(L - L_j) r_k,j, decay exp(L)
         if not RING_ASYNC:
-            o_pr = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_P))
-            rows_p = gl.load(path_rows_ptr + i_r * B_P + o_pr).to(gl.int64)
-            m_p = rows_p >= 0
-            rows_p = gl.where(m_p, rows_p, 0)
+            rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_P))
             kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-            for c in gl.static_range(NK):
-                o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_P))
-                kp_smem.index(c).store(gl.load(prev_k_ptr + rows_p[:, None] * (H_K * D_K) + i_hk * D_K + o_kp[None, :],
-                                               mask=m_p[:, None], other=0.0))
+            token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
         o_pc = gl.arange(0, B_P, layout=gl.SliceLayout(0, MMA_P))
         ring_w = gl.load(ring_w_ptr + (i_r * B_P + o_pc) * H_V + i_h)
         ring_decay = gl.load(ring_decay_ptr + i_r * H_V + i_h)
@@ -414,11 +389,9 @@ def gluon_resident_kernel(
                 b_qs = warpgroup_mma(dq_smem, up16_smem.index(t), zeros_v, use_acc=False, is_async=True)
                 b_ks = warpgroup_mma(dk_smem, up16_smem.index(t), zeros_v, use_acc=False, is_async=True)
             if RING and not RING_ASYNC:
-                o_pu = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_UP))
-                rows_u = gl.load(path_rows_ptr + i_r * B_P + o_pu).to(gl.int64)
-                m_u = rows_u >= 0
+                rows_u, m_u = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_UP))
                 o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
-                b_up = gl.load(prev_u_ptr + gl.where(m_u, rows_u, 0)[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
+                b_up = gl.load(prev_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
                                mask=m_u[:, None], other=0.0)
             if FOLD:
                 # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
@@ -564,6 +537,28 @@ def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, b
     m_smem.store(b_m.to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def table_rows(p_table, B_P: gl.constexpr, LAYOUT: gl.constexpr):
+    """A token table's ``B_P`` entries at ``p_table`` as rows (int64; an entry of -1, none, as row 0) and which are real."""
+    rows = gl.load(p_table + gl.arange(0, B_P, layout=LAYOUT)).to(gl.int64)
+    real = rows >= 0
+    return gl.where(real, rows, 0), real
+
+
+@gluon.jit
+def token_keys(kp_smem, p_keys, rows, real, stride_row, B_K: gl.constexpr, NK: gl.constexpr, LD: gl.constexpr,
+               ASYNC: gl.constexpr):
+    """The tokens' raw keys (``rows`` of ``p_keys``, zero where not ``real``) into ``kp_smem`` ``[NK, B_P, B_K]``,
+    chunk by chunk: by cp.async with ``ASYNC`` (the caller commits and waits), else loaded and stored."""
+    for c in gl.static_range(NK):
+        o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+        ptrs = p_keys + rows[:, None] * stride_row + o_k[None, :]
+        if ASYNC:
+            async_copy.async_copy_global_to_shared(kp_smem.index(c), ptrs, mask=real[:, None])
+        else:
+            kp_smem.index(c).store(gl.load(ptrs, mask=real[:, None], other=0.0))
 
 
 @gluon.jit
