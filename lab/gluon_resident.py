@@ -566,7 +566,7 @@ def l2_ahead(lin, H_V, group, offsets_ptr, state_indices_ptr, q_ptr, k_ptr, v_pt
              stride_k_n, stride_k_h, stride_v_n, stride_v_h, stride_s_slot, stride_s_h, n_programs,
              D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, LD_L2: gl.constexpr):
     """``prefetch.global.L2`` of program ``lin``'s inputs (nothing past the launch's ``n_programs``): the tree's q, k
-    and v rows (128-byte lines of 16-bit rows) and the head's fp32 state."""
+    and v rows (128-byte lines of 16-bit rows) and the head's fp32 state (rows of ``D_K``: the lab's contiguous pool)."""
     if lin < n_programs:
         h = lin % H_V
         r = lin // H_V
