@@ -866,25 +866,24 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     bound = accepted_error(torch.bfloat16)
     out = {"batch": batch, "runs": []}
     for options in FOLD_CONFIGS:
-        entry = dict(options)
-        try:
+        def check(options=options) -> dict:
             got_pool = pool.clone()
             res = gluon_verify(x.q, x.k, x.v, x.g, x.beta, got_pool, slots[0], tree, fold=(path_rows, prev), **options)
             touched = slots[0].long()
-            entry["error"] = relative_error(res.o, ref.o)
-            entry["state_error"] = relative_error(got_pool[touched], want_pool[touched])
-            entry["untouched_same"] = bool(torch.equal(
-                got_pool[torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)],
-                pool[torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)]))
-            if max(entry["error"], entry["state_error"]) <= bound and entry["untouched_same"]:
-                verify = functools.partial(gluon_verify, fold=(path_rows, prev), **options)
-                entry["us"] = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
-                entry["plain_us"] = bench.time_verify(functools.partial(gluon_verify, **options), None,
-                                                      repeats=repeats)[0].p50_us
-            else:
-                entry["status"] = "wrong: not timed"
-        except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-            entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+            others = torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)
+            got = {"error": relative_error(res.o, ref.o),
+                   "state_error": relative_error(got_pool[touched], want_pool[touched]),
+                   "untouched_same": bool(torch.equal(got_pool[others], pool[others]))}
+            got["ok"] = max(got["error"], got["state_error"]) <= bound and got["untouched_same"]
+            return got
+
+        def time(options=options) -> dict:
+            verify = functools.partial(gluon_verify, fold=(path_rows, prev), **options)
+            return {"us": bench.time_verify(verify, None, repeats=repeats)[0].p50_us,
+                    "plain_us": bench.time_verify(functools.partial(gluon_verify, **options), None,
+                                                  repeats=repeats)[0].p50_us}
+
+        entry = check_then_time(dict(options), check, time)
         print(f"fold {entry}", flush=True)
         out["runs"].append(entry)
     shipped = bench.launch()
@@ -963,17 +962,12 @@ def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24, q
         reads, writes = RING_QUICK if quick else (RING_CONFIGS, FOLD_WIDE_CONFIGS)
         for kind, configs in (("read", reads), ("write", writes)):
             for options in configs:
-                entry = dict(options, kind=kind, width=width)
-                try:
-                    entry.update(check(kind, width, options))
-                    if entry["ok"]:
-                        extra = {"ring": tokens} if kind == "read" else {"fold": (tokens.rows, tokens)}
-                        entry["us"] = bench.time_verify(functools.partial(gluon_verify, **extra, **options), None,
-                                                        repeats=repeats)[0].p50_us
-                    else:
-                        entry["status"] = "wrong: not timed"
-                except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                    entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+                extra = {"ring": tokens} if kind == "read" else {"fold": (tokens.rows, tokens)}
+                entry = check_then_time(
+                    dict(options, kind=kind, width=width),
+                    lambda kind=kind, width=width, options=options: check(kind, width, options),
+                    lambda extra=extra, options=options: {"us": bench.time_verify(
+                        functools.partial(gluon_verify, **extra, **options), None, repeats=repeats)[0].p50_us})
                 print(f"ring {entry}", flush=True)
                 out["runs"].append(entry)
     # the shipped all-layer commit of each request's deepest path, per layer (as `CaseBench.time_rounds` times it)
@@ -1010,6 +1004,20 @@ def print_ring(out: dict) -> None:
         rd, wr = min(reads), min(writes + [min(reads) + out["commit_layers_us"]])
         cells = [f"{((n - 1) * rd + wr) / n:.1f}" for n in (2, 4, 8)]
         print(f"| Gluon ring | {width} | {rd:.1f} | {wr:.1f} | " + " | ".join(cells) + " |")
+
+
+def check_then_time(entry: dict, check, time) -> dict:
+    """A lab sweep's entry: ``check()`` (a dict of errors with ``ok``, merged in) and, when ``ok``, ``time()`` (a dict of
+    timings, merged in); a wrong result is recorded as not timed, an exception as its message: the sweep goes on."""
+    try:
+        entry.update(check())
+        if entry["ok"]:
+            entry.update(time())
+        else:
+            entry["status"] = "wrong: not timed"
+    except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
+        entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+    return entry
 
 
 def errors(bench, verify) -> tuple[float, float]:
@@ -1053,16 +1061,14 @@ def gpu_run(repeats: int, only_batch=None, candidates=None, verify_fn=None, labe
         print(f"B={batch} T=64: shipped {row['shipped']} {timing.p50_us:.2f} us (errors {e_o:.1e} / {e_s:.1e})",
               flush=True)
         for options in candidates:
-            entry = dict(options)
             verify = functools.partial(verify_fn, **options)
-            try:
-                entry["error"], entry["state_error"] = errors(bench, verify)
-                if max(entry["error"], entry["state_error"]) <= bound:
-                    entry["us"] = bench.time_verify(verify, None, repeats=repeats)[0].p50_us
-                else:
-                    entry["status"] = "wrong: not timed"
-            except Exception as e:  # noqa: BLE001 - a lab sweep records what failed and goes on
-                entry["status"] = f"{type(e).__name__}: {str(e)[:400]}"
+
+            def check(verify=verify) -> dict:
+                e_o, e_s = errors(bench, verify)
+                return {"error": e_o, "state_error": e_s, "ok": max(e_o, e_s) <= bound}
+
+            entry = check_then_time(dict(options), check, lambda verify=verify: {
+                "us": bench.time_verify(verify, None, repeats=repeats)[0].p50_us})
             print(f"    {label} {entry}", flush=True)
             row["runs"].append(entry)
         rows.append(row)
