@@ -82,6 +82,7 @@ def gluon_resident_kernel(
     V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
     KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
     UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
+    FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -119,12 +120,12 @@ def gluon_resident_kernel(
     o_sv = gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_S))
     o_sk = gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_S))
     s_offsets = o_sv[:, None] * stride_s_v + o_sk[None, :]
+    s_row = ((slot * H_V + i_h) * D_V).to(gl.int32)  # the head's first row of the pool's TMA view ([-1, D_K])
     if TMA_STAGES > 0:
         # a ring of TMA_STAGES state tiles in shared memory, the first TMA_STAGES requested now (they arrive while
         # the factors are worked out), each later one as soon as its stage is read
         s_ring = gl.allocate_shared_memory(gl.float32, [TMA_STAGES, B_V, B_K], S32_SHARED)
         s_bars = gl.allocate_shared_memory(gl.int64, [TMA_STAGES, 1], mbarrier.MBarrierLayout())
-        s_row = ((slot * H_V + i_h) * D_V).to(gl.int32)
         for i in gl.static_range(TMA_STAGES):
             mbarrier.init(s_bars.index(i), count=1)
         for i in gl.static_range(TMA_STAGES):
@@ -136,7 +137,6 @@ def gluon_resident_kernel(
     else:
         s_ring = 0  # unused without the ring (`state_tile`)
         s_bars = 0
-        s_row = 0
         if (ABLATE & 4) != 0:
             b_s = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
         else:
@@ -381,6 +381,21 @@ def gluon_resident_kernel(
         p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
         m_iv = o_iv < num_nodes
         zeros_v = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
+        if FOLD and FOLD_STORE == 1:
+            # the folded tiles leave by TMA from two fp32 staging buffers (the pool's view as in the TMA ring)
+            s_out = gl.allocate_shared_memory(gl.float32, [2, B_V, B_K], S32_SHARED)
+        elif FOLD and FOLD_STORE == 4:
+            # one staging buffer in the bytes of X (free once the factors are solved)
+            gl.static_assert(B_V * B_K == B_T * B_T // 2, "FOLD_STORE 4: a state tile the size of X")
+            s_out = x_smem._reinterpret(gl.float32, [1, B_V, B_K], S32_SHARED)
+        else:
+            s_out = 0
+        if FOLD and FOLD_STORE == 2:
+            o_scv = gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_SC))
+            o_sck = gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_SC))
+            sc_offsets = o_scv[:, None] * stride_s_v + o_sck[None, :]
+        else:
+            sc_offsets = 0
         A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
         for t in gl.static_range(NV):
             b_qs = zeros_v
@@ -417,7 +432,20 @@ def gluon_resident_kernel(
                     b_s = warpgroup_mma(up_mid, kp_smem.index(c), b_s, is_async=True)
                     b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
                     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
-                    gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
+                    if FOLD_STORE == 0:  # from the accumulator's layout: 8-byte stores
+                        gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
+                    elif FOLD_STORE == 1 or FOLD_STORE == 4:
+                        # staged in shared memory, stored by TMA (the stage's previous tile read out first)
+                        tma.store_wait(1 if FOLD_STORE == 1 else 0)
+                        gl.thread_barrier()
+                        stage = s_out.index(n % 2 if FOLD_STORE == 1 else 0)
+                        stage.store(b_s)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        tma.async_copy_shared_to_global(s_desc, [s_row + t * B_V, c * B_K], stage)
+                    elif FOLD_STORE == 2:  # through a row-contiguous layout: 16-byte stores
+                        gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + sc_offsets, gl.convert_layout(b_s, LD_SC))
+                    # FOLD_STORE 3: not written (timing only, `--fold`'s ablation)
                 if RING_ASYNC:
                     b_s = b_s * ring_f
                 b_hi = b_s.to(gl.bfloat16)
@@ -502,6 +530,8 @@ def gluon_resident_kernel(
                     gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
             if t == 0:
                 stamp(p_trace, 5, i_r, TRACE)
+    if FOLD and (FOLD_STORE == 1 or FOLD_STORE == 4):
+        tma.store_wait(0)
     stamp(p_trace, 6, i_r, TRACE)
     if PAD > 0:
         gl.thread_barrier()
@@ -667,9 +697,10 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
-                ring_async: bool = False, warps: int = 4, l2_ahead: int = 0):
+                ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
-    of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held)."""
+    of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
+    ``fold_store``: how a fold writes its tiles, `FOLD_STORES`)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -710,6 +741,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
                 LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
+                FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -719,11 +751,11 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
-                 out=None):
+                 fold_store: int = 0, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
-                                        ring_async, warps, l2_ahead)
+                                        ring_async, warps, l2_ahead, fold_store)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -834,7 +866,19 @@ def trace_run(options_list: list[dict], batch: int = 16, launches: int = 4) -> l
     return out
 
 
-FOLD_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+# how a fold writes its folded tiles back to the pool (``fold_store``); 3 is an ablation, timed but never checked
+FOLD_STORES = {0: "from the accumulator layout", 1: "by TMA from two staging buffers",
+               2: "through a row-contiguous layout", 3: "not written (timing only)",
+               4: "by TMA from one staging buffer in X's bytes"}
+FOLD_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True),
+                dict(b_k=32, b_v=64, prefetch=True, coalesce=True),
+                dict(b_k=32, b_v=64, prefetch=True, fold_store=1), dict(b_k=32, b_v=64, prefetch=True, fold_store=2),
+                dict(b_k=32, b_v=64, prefetch=True, fold_store=4),
+                dict(b_k=32, b_v=64, prefetch=True, fold_store=1, l2_ahead=396),
+                dict(b_k=32, b_v=64, prefetch=True, coalesce=True, fold_store=4),
+                dict(b_k=32, b_v=64, prefetch=True, coalesce=True, fold_store=4, l2_ahead=396),
+                dict(b_k=32, b_v=64, prefetch=True, fold_store=3), dict(b_k=32, b_v=64, prefetch=True, coalesce=True,
+                                                                        fold_store=3)]
 
 
 def fold_run(repeats: int, batch: int = 16) -> dict:
@@ -853,6 +897,10 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
 
     bench = CaseBench(BenchCase(HEADS_9B, batch, B_T, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"), "cuda")
     tree, pool, inputs, slots = bench.sets(64)
+    # the timed folds write the bench's pool in place: every check starts from this copy of it, the reference's
+    # (the twenty-first session's "fold with prefetch and coalescing wrong" was this: its check ran on the pool the
+    # previous configuration's timing had folded over and over)
+    pool = pool.clone()
     request_map = torch.arange(batch, dtype=torch.int32, device="cuda")
     accepted = bench.deepest(tree).clone()
     accepted[0], accepted[1] = -1, 0  # nothing pending; the root only
@@ -865,7 +913,25 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, want_pool, slots[0], tree)
     bound = accepted_error(torch.bfloat16)
     out = {"batch": batch, "runs": []}
+    plain = {}  # the Gluon verify alone, once per set of its own options
+
+    def plain_us(options: dict) -> float:
+        key = tuple(sorted((k, v) for k, v in options.items() if k != "fold_store"))
+        if key not in plain:
+            plain[key] = bench.time_verify(functools.partial(gluon_verify, **dict(key)), None,
+                                           repeats=repeats)[0].p50_us
+        return plain[key]
+
     for options in FOLD_CONFIGS:
+        if options.get("fold_store") == 3:  # the ablation: wrong by design, timed only
+            entry = dict(options, status="ablation: timed, not checked")
+            entry["us"] = bench.time_verify(functools.partial(gluon_verify, fold=(path_rows, prev), **options), None,
+                                            repeats=repeats)[0].p50_us
+            entry["plain_us"] = plain_us(options)
+            print(f"fold {entry}", flush=True)
+            out["runs"].append(entry)
+            continue
+
         def check(options=options) -> dict:
             got_pool = pool.clone()
             res = gluon_verify(x.q, x.k, x.v, x.g, x.beta, got_pool, slots[0], tree, fold=(path_rows, prev), **options)
@@ -873,15 +939,14 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
             others = torch.ones(len(pool), dtype=torch.bool, device="cuda").index_fill_(0, touched, False)
             got = {"error": relative_error(res.o, ref.o),
                    "state_error": relative_error(got_pool[touched], want_pool[touched]),
-                   "untouched_same": bool(torch.equal(got_pool[others], pool[others]))}
+                   "untouched_same": bool(torch.equal(got_pool[others], pool[others])),
+                   "registers": res.kernel.n_regs, "spills": res.kernel.n_spills, "shared": res.kernel.metadata.shared}
             got["ok"] = max(got["error"], got["state_error"]) <= bound and got["untouched_same"]
             return got
 
         def time(options=options) -> dict:
             verify = functools.partial(gluon_verify, fold=(path_rows, prev), **options)
-            return {"us": bench.time_verify(verify, None, repeats=repeats)[0].p50_us,
-                    "plain_us": bench.time_verify(functools.partial(gluon_verify, **options), None,
-                                                  repeats=repeats)[0].p50_us}
+            return {"us": bench.time_verify(verify, None, repeats=repeats)[0].p50_us, "plain_us": plain_us(options)}
 
         entry = check_then_time(dict(options), check, time)
         print(f"fold {entry}", flush=True)
@@ -1006,6 +1071,20 @@ def print_ring(out: dict) -> None:
         print(f"| Gluon ring | {width} | {rd:.1f} | {wr:.1f} | " + " | ".join(cells) + " |")
 
 
+def print_fold(out: dict) -> None:
+    """`fold_run`'s entries as a markdown table: the folded round, the same launch without the fold, the difference."""
+    print(f"\n| B={out['batch']} T=64, us | folded round | verify alone | fold's cost | errors o / state |\n|---|---|---|---|---|")
+    print(f"| shipped | {out['shipped_folded_us']:.1f} | {out['shipped_verify_us']:.1f} | "
+          f"{out['shipped_folded_us'] - out['shipped_verify_us']:.1f} |  |")
+    for e in out["runs"]:
+        name = " ".join(f"{k}={v}" for k, v in e.items() if k in ("prefetch", "coalesce", "fold_store", "l2_ahead"))
+        if "us" not in e:
+            print(f"| {name} | {e.get('status', '-')[:50]} |  |  |  |")
+            continue
+        errs = f"{e['error']:.1e} / {e['state_error']:.1e}" if "error" in e else e.get("status", "")
+        print(f"| {name} | {e['us']:.1f} | {e['plain_us']:.1f} | {e['us'] - e['plain_us']:.1f} | {errs} |")
+
+
 def check_then_time(entry: dict, check, time) -> dict:
     """A lab sweep's entry: ``check()`` (a dict of errors with ``ok``, merged in) and, when ``ok``, ``time()`` (a dict of
     timings, merged in); a wrong result is recorded as not timed, an exception as its message: the sweep goes on."""
@@ -1078,12 +1157,16 @@ def gpu_run(repeats: int, only_batch=None, candidates=None, verify_fn=None, labe
 
 
 def compile_report(b_k: int, b_v: int, batch: int = 16, maxnreg: int | None = None, alias_r: bool = False,
-                   rows: bool = False, tma_stages: int = 0, ring_width: int = 0, **options) -> dict:
-    """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed)."""
+                   rows: bool = False, tma_stages: int = 0, ring_width: int = 0, fold_width: int = 0,
+                   **options) -> dict:
+    """Registers, spills and shared memory of the launch compiled for sm_90, on this machine (no GPU needed): a ring
+    read round with ``ring_width``, a fold of that many tokens with ``fold_width``."""
     tree, x = compile_instance(batch)
     ring = ring_tokens(batch, HEADS_9B, ring_width, "cpu") if ring_width else None
+    folded = ring_tokens(batch, HEADS_9B, fold_width, "cpu") if fold_width else None
     grid, args, meta, _ = launch_args(*x.args(tree)[:8], b_k=b_k, b_v=b_v, alias_r=alias_r, rows=rows,
-                                      tma_stages=tma_stages, ring=ring, **options)
+                                      tma_stages=tma_stages, ring=ring,
+                                      fold=(folded.rows, folded) if folded is not None else None, **options)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return compile_sm90(gluon_resident_kernel, args, meta)
@@ -1225,7 +1308,9 @@ def main() -> None:
         for o in outs:
             print_ring(o)
     elif args.fold:
-        dump(fold_run(args.repeats, batch), args.json)
+        out = fold_run(args.repeats, batch)
+        dump(out, args.json)
+        print_fold(out)
     elif args.trace:
         dump(trace_run(TRACE_CONFIGS, batch), args.json)
     elif args.ablate:
