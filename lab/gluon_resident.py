@@ -82,7 +82,7 @@ def gluon_resident_kernel(
     V_SHARED: gl.constexpr, TRACE: gl.constexpr, FOLD: gl.constexpr, B_P: gl.constexpr, LD_P: gl.constexpr,
     KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
     UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
-    FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr,
+    FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr, FOLD_ASYNC: gl.constexpr, FOLD_AHEAD: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -162,8 +162,8 @@ def gluon_resident_kernel(
                                                    mask=m_t[:, None])
             async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
                                                    mask=m_t[:, None])
-        if RING_ASYNC:
-            # a ring read round's token keys join the first group
+        if RING_ASYNC or FOLD_ASYNC:
+            # a ring read round's (or a fold's) token keys join the first group
             rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_KP))
             kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
             token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_KP, True)
@@ -174,7 +174,7 @@ def gluon_resident_kernel(
             o_vl = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_V))
             async_copy.async_copy_global_to_shared(v_smem.index(t), p_v + o_tv[:, None] * stride_v_n + o_vl[None, :],
                                                    mask=(o_tv < num_nodes)[:, None])
-        if RING_ASYNC:
+        if RING_ASYNC or FOLD_ASYNC:
             # and their fp32 updates, every value tile, the second group
             u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
             rows_u, m_u = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_UP))
@@ -222,8 +222,9 @@ def gluon_resident_kernel(
         row_a = gl.max(gl.where(m_p, rows_p, -1), axis=0)
         logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
         fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
-        kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-        token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
+        if not FOLD_ASYNC:
+            kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+            token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
         rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
         logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
         scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
@@ -316,6 +317,10 @@ def gluon_resident_kernel(
         gl.thread_barrier()
         ring_c = ds_q * us
         ring_f = ring_decay / ring_c
+    if FOLD_ASYNC:
+        # the fold's updates (and v) arrived by cp.async before the stream's first tile needs them
+        async_copy.wait_group(0)
+        gl.thread_barrier()
     stamp(p_trace, 3, i_r, TRACE)
     b_decay = gl.exp(logp_i)
     gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
@@ -397,6 +402,7 @@ def gluon_resident_kernel(
         else:
             sc_offsets = 0
         A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
+        zeros_s = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
         for t in gl.static_range(NV):
             b_qs = zeros_v
             b_ks = zeros_v
@@ -411,9 +417,12 @@ def gluon_resident_kernel(
             if FOLD:
                 # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
                 # them (8 + 8 + 8 significant bits): with 16-bit keys each part's products are exact
-                o_vp = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_P))
-                b_up = gl.load(prev_u_ptr + rows_pc[None, :] * (H_V * D_V) + i_h * D_V + o_vp[:, None],
-                               mask=m_pc[None, :], other=0.0) * weight_pc[None, :]
+                if FOLD_ASYNC:  # from shared memory (rows past the path zero-filled)
+                    b_up = u32_smem.index(t).permute((1, 0)).load(LD_P) * weight_pc[None, :]
+                else:
+                    o_vp = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_P))
+                    b_up = gl.load(prev_u_ptr + rows_pc[None, :] * (H_V * D_V) + i_h * D_V + o_vp[:, None],
+                                   mask=m_pc[None, :], other=0.0) * weight_pc[None, :]
                 up_hi = b_up.to(gl.bfloat16)
                 up_rest = b_up - up_hi.to(gl.float32)
                 up_mid = up_rest.to(gl.bfloat16)
@@ -428,10 +437,23 @@ def gluon_resident_kernel(
                 if FOLD:
                     # S' = P_a S + sum_j (w_j u_j) k_j^T on this tile (LD_S is the wgmma accumulator layout here),
                     # written back to the pool in place: the committed state, this round's S_pre
-                    b_s = warpgroup_mma(up_hi, kp_smem.index(c), b_s * fold_decay, is_async=True)
-                    b_s = warpgroup_mma(up_mid, kp_smem.index(c), b_s, is_async=True)
-                    b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
-                    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
+                    if FOLD_AHEAD:
+                        # the update sum_j (w_j u_j) k_j^T does not depend on S: the next chunk's is issued before
+                        # this tile's products (done by the time they are) and only the first chunk's of each value
+                        # tile waits on the tensor cores; S' = P_a S + update elementwise
+                        if c == 0:
+                            d_cur = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s)
+                        else:
+                            d_cur = d_next
+                        d_cur = warpgroup_mma_wait(num_outstanding=0, deps=(d_cur,))
+                        if c + 1 < NK:
+                            d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_s)
+                        b_s = b_s * fold_decay + d_cur
+                    else:
+                        b_s = warpgroup_mma(up_hi, kp_smem.index(c), b_s * fold_decay, is_async=True)
+                        b_s = warpgroup_mma(up_mid, kp_smem.index(c), b_s, is_async=True)
+                        b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
+                        b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
                     if FOLD_STORE == 0:  # from the accumulator's layout: 8-byte stores
                         gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
                     elif FOLD_STORE == 1 or FOLD_STORE == 4:
@@ -536,6 +558,15 @@ def gluon_resident_kernel(
     if PAD > 0:
         gl.thread_barrier()
         gl.store(committed_ptr + i_r, gl.sum(pad.index(PAD - 1).load(PAD_LD), axis=0), mask=H_V < 0)
+
+
+@gluon.jit
+def fold_update(up_hi, up_mid, up_lo, kp, zeros):
+    """A fold's update of one state tile, ``(w u)^T K_p`` from the weighted updates' three bf16 parts and the tokens'
+    keys ``kp`` (shared memory), issued on the tensor cores and not waited for."""
+    d = warpgroup_mma(up_hi, kp, zeros, use_acc=False, is_async=True)
+    d = warpgroup_mma(up_mid, kp, d, is_async=True)
+    return warpgroup_mma(up_lo, kp, d, is_async=True)
 
 
 @gluon.jit
@@ -697,10 +728,13 @@ def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bo
 def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: int = 32, b_v: int = 64, out=None,
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
-                ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0):
+                ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0,
+                fold_async: bool = False, fold_ahead: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
-    ``fold_store``: how a fold writes its tiles, `FOLD_STORES`)."""
+    ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
+    with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
+    tile's products)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -719,6 +753,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
         raise ValueError("fold or ring, not both")
     if ring_async and not (ring is not None and prefetch):
         raise ValueError("ring_async: a ring read round with prefetch")
+    if fold_async and not (fold is not None and prefetch):
+        raise ValueError("fold_async: a fold with prefetch")
     if warps != 4 and (fold is not None or ring is not None or rows or tma_stages):
         raise ValueError("warps: 8 only for the plain verify")
     b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
@@ -741,7 +777,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 UP_SHARED=gl.NVMMASharedLayout.get_default_for([b_p, b_v], gl.float16),
                 LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
-                FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps),
+                FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps), FOLD_ASYNC=fold is not None and fold_async,
+                FOLD_AHEAD=fold is not None and fold_ahead,
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -751,11 +788,11 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
-                 fold_store: int = 0, out=None):
+                 fold_store: int = 0, fold_async: bool = False, fold_ahead: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
-                                        ring_async, warps, l2_ahead, fold_store)
+                                        ring_async, warps, l2_ahead, fold_store, fold_async, fold_ahead)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -870,15 +907,20 @@ def trace_run(options_list: list[dict], batch: int = 16, launches: int = 4) -> l
 FOLD_STORES = {0: "from the accumulator layout", 1: "by TMA from two staging buffers",
                2: "through a row-contiguous layout", 3: "not written (timing only)",
                4: "by TMA from one staging buffer in X's bytes"}
-FOLD_CONFIGS = [dict(b_k=32, b_v=64), dict(b_k=32, b_v=64, prefetch=True),
-                dict(b_k=32, b_v=64, prefetch=True, coalesce=True),
-                dict(b_k=32, b_v=64, prefetch=True, fold_store=1), dict(b_k=32, b_v=64, prefetch=True, fold_store=2),
-                dict(b_k=32, b_v=64, prefetch=True, fold_store=4),
-                dict(b_k=32, b_v=64, prefetch=True, fold_store=1, l2_ahead=396),
-                dict(b_k=32, b_v=64, prefetch=True, coalesce=True, fold_store=4),
-                dict(b_k=32, b_v=64, prefetch=True, coalesce=True, fold_store=4, l2_ahead=396),
-                dict(b_k=32, b_v=64, prefetch=True, fold_store=3), dict(b_k=32, b_v=64, prefetch=True, coalesce=True,
-                                                                        fold_store=3)]
+# the twenty-second session's first call (B=16, us: folded round / fold's cost): the store's form hardly matters
+# (accumulator 67.2 / 17.6, TMA 67.2 / 17.6, row-contiguous 66.3 / 16.6, TMA from X's bytes with coalesced u and o
+# 65.7 / 15.9) and the fold costs 9.9-12.5 us with no store at all; so its tokens by cp.async (``fold_async``) and each
+# chunk's update issued a tile ahead (``fold_ahead``)
+FOLD_BASE = dict(b_k=32, b_v=64, prefetch=True)
+FOLD_CONFIGS = [dict(FOLD_BASE, coalesce=True, fold_store=4)] + [
+    dict(FOLD_BASE, **extra, fold_store=store)
+    for extra in (dict(fold_async=True), dict(coalesce=True, fold_async=True), dict(fold_async=True, fold_ahead=True),
+                  dict(coalesce=True, fold_async=True, fold_ahead=True))
+    for store in (0, 2, 4)] + [
+    dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4, l2_ahead=396),
+    dict(FOLD_BASE, coalesce=True, fold_async=True, fold_ahead=True, fold_store=2, l2_ahead=396),
+    dict(FOLD_BASE, coalesce=True, fold_async=True, fold_ahead=True, fold_store=3),
+    dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=3)]
 
 
 def fold_run(repeats: int, batch: int = 16) -> dict:
@@ -916,7 +958,7 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     plain = {}  # the Gluon verify alone, once per set of its own options
 
     def plain_us(options: dict) -> float:
-        key = tuple(sorted((k, v) for k, v in options.items() if k != "fold_store"))
+        key = tuple(sorted((k, v) for k, v in options.items() if not k.startswith("fold_")))
         if key not in plain:
             plain[key] = bench.time_verify(functools.partial(gluon_verify, **dict(key)), None,
                                            repeats=repeats)[0].p50_us
@@ -1077,7 +1119,8 @@ def print_fold(out: dict) -> None:
     print(f"| shipped | {out['shipped_folded_us']:.1f} | {out['shipped_verify_us']:.1f} | "
           f"{out['shipped_folded_us'] - out['shipped_verify_us']:.1f} |  |")
     for e in out["runs"]:
-        name = " ".join(f"{k}={v}" for k, v in e.items() if k in ("prefetch", "coalesce", "fold_store", "l2_ahead"))
+        name = " ".join(f"{k}={v}" for k, v in e.items()
+                        if k in ("prefetch", "coalesce", "fold_store", "fold_async", "fold_ahead", "l2_ahead"))
         if "us" not in e:
             print(f"| {name} | {e.get('status', '-')[:50]} |  |  |  |")
             continue
@@ -1308,9 +1351,10 @@ def main() -> None:
         for o in outs:
             print_ring(o)
     elif args.fold:
-        out = fold_run(args.repeats, batch)
-        dump(out, args.json)
-        print_fold(out)
+        outs = [fold_run(args.repeats, b) for b in (args.batch or [16])]
+        dump(outs, args.json)
+        for out in outs:
+            print_fold(out)
     elif args.trace:
         dump(trace_run(TRACE_CONFIGS, batch), args.json)
     elif args.ablate:
