@@ -83,6 +83,7 @@ def gluon_resident_kernel(
     KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
     UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
     FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr, FOLD_ASYNC: gl.constexpr, FOLD_AHEAD: gl.constexpr,
+    FOLD_SMEM: gl.constexpr, FOLD_PARTS: gl.constexpr, UPT_SHARED: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -176,7 +177,12 @@ def gluon_resident_kernel(
                                                    mask=(o_tv < num_nodes)[:, None])
         if RING_ASYNC or FOLD_ASYNC:
             # and their fp32 updates, every value tile, the second group
-            u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
+            if FOLD_SMEM:
+                # in the bytes of the weighted updates' bf16 parts, which replace them before the stream
+                up_parts = gl.allocate_shared_memory(gl.bfloat16, [3 * NV, B_V, B_P], UPT_SHARED)
+                u32_smem = up_parts._reinterpret(gl.float32, [NV, B_P, B_V], V_SHARED)
+            else:
+                u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
             rows_u, m_u = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_UP))
             for t in gl.static_range(NV):
                 o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
@@ -321,6 +327,17 @@ def gluon_resident_kernel(
         # the fold's updates (and v) arrived by cp.async before the stream's first tile needs them
         async_copy.wait_group(0)
         gl.thread_barrier()
+        if FOLD_SMEM:
+            # the weighted updates of every value tile split into their bf16 parts once, in shared memory: the fold's
+            # A operands straight from there (no layout conversion a value tile)
+            gl.static_assert(NV == 2, "FOLD_SMEM: two value tiles")
+            w_up0 = u32_smem.index(0).permute((1, 0)).load(LD_P) * weight_pc[None, :]
+            w_up1 = u32_smem.index(1).permute((1, 0)).load(LD_P) * weight_pc[None, :]
+            gl.thread_barrier()
+            fold_parts(up_parts, 0, w_up0)
+            fold_parts(up_parts, 3, w_up1)
+            fence_async_shared()
+            gl.thread_barrier()
     stamp(p_trace, 3, i_r, TRACE)
     b_decay = gl.exp(logp_i)
     gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
@@ -414,7 +431,11 @@ def gluon_resident_kernel(
                 o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
                 b_up = gl.load(prev_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
                                mask=m_u[:, None], other=0.0)
-            if FOLD:
+            if FOLD and FOLD_SMEM:
+                up_hi = up_parts.index(3 * t)
+                up_mid = up_parts.index(3 * t + 1)
+                up_lo = up_parts.index(3 * t + 2)
+            elif FOLD:
                 # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
                 # them (8 + 8 + 8 significant bits): with 16-bit keys each part's products are exact
                 if FOLD_ASYNC:  # from shared memory (rows past the path zero-filled)
@@ -442,17 +463,18 @@ def gluon_resident_kernel(
                         # this tile's products (done by the time they are) and only the first chunk's of each value
                         # tile waits on the tensor cores; S' = P_a S + update elementwise
                         if c == 0:
-                            d_cur = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s)
+                            d_cur = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
                         else:
                             d_cur = d_next
                         d_cur = warpgroup_mma_wait(num_outstanding=0, deps=(d_cur,))
                         if c + 1 < NK:
-                            d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_s)
+                            d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_s, FOLD_PARTS)
                         b_s = b_s * fold_decay + d_cur
                     else:
                         b_s = warpgroup_mma(up_hi, kp_smem.index(c), b_s * fold_decay, is_async=True)
                         b_s = warpgroup_mma(up_mid, kp_smem.index(c), b_s, is_async=True)
-                        b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
+                        if FOLD_PARTS == 3:
+                            b_s = warpgroup_mma(up_lo, kp_smem.index(c), b_s, is_async=True)
                         b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
                     if FOLD_STORE == 0:  # from the accumulator's layout: 8-byte stores
                         gl.store(p_state + (t * B_V * stride_s_v + c * B_K) + s_offsets, b_s)
@@ -561,12 +583,25 @@ def gluon_resident_kernel(
 
 
 @gluon.jit
-def fold_update(up_hi, up_mid, up_lo, kp, zeros):
-    """A fold's update of one state tile, ``(w u)^T K_p`` from the weighted updates' three bf16 parts and the tokens'
-    keys ``kp`` (shared memory), issued on the tensor cores and not waited for."""
+def fold_update(up_hi, up_mid, up_lo, kp, zeros, PARTS: gl.constexpr = 3):
+    """A fold's update of one state tile, ``(w u)^T K_p`` from the weighted updates' bf16 parts (``PARTS`` of them:
+    3, or 2 to see what the last costs) and the tokens' keys ``kp`` (shared memory), issued and not waited for."""
     d = warpgroup_mma(up_hi, kp, zeros, use_acc=False, is_async=True)
     d = warpgroup_mma(up_mid, kp, d, is_async=True)
-    return warpgroup_mma(up_lo, kp, d, is_async=True)
+    if PARTS == 3:
+        d = warpgroup_mma(up_lo, kp, d, is_async=True)
+    return d
+
+
+@gluon.jit
+def fold_parts(up_parts, first: gl.constexpr, b_up):
+    """``b_up`` (fp32) as three bf16 parts that sum to it (8 + 8 + 8 significant bits) into ``up_parts[first:first+3]``."""
+    hi = b_up.to(gl.bfloat16)
+    rest = b_up - hi.to(gl.float32)
+    mid = rest.to(gl.bfloat16)
+    up_parts.index(first).store(hi)
+    up_parts.index(first + 1).store(mid)
+    up_parts.index(first + 2).store((rest - mid.to(gl.float32)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -729,12 +764,13 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
                 ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0,
-                fold_async: bool = False, fold_ahead: bool = False):
+                fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False, fold_parts: int = 3):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
     ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
     with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
-    tile's products)."""
+    tile's products; ``fold_smem``: the updates' bf16 parts made once, in shared memory, needs ``fold_async``;
+    ``fold_parts`` 2: the third part left out, to see what it costs)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -755,6 +791,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
         raise ValueError("ring_async: a ring read round with prefetch")
     if fold_async and not (fold is not None and prefetch):
         raise ValueError("fold_async: a fold with prefetch")
+    if fold_smem and not fold_async:
+        raise ValueError("fold_smem: with fold_async")
     if warps != 4 and (fold is not None or ring is not None or rows or tma_stages):
         raise ValueError("warps: 8 only for the plain verify")
     b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
@@ -778,7 +816,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 LD_UP=_blocked(b_p, b_v, 4, 4), LD_KP=_blocked(b_p, b_k, 2, 4),
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
                 FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps), FOLD_ASYNC=fold is not None and fold_async,
-                FOLD_AHEAD=fold is not None and fold_ahead,
+                FOLD_AHEAD=fold is not None and fold_ahead, FOLD_SMEM=fold is not None and fold_smem,
+                FOLD_PARTS=fold_parts, UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -788,11 +827,13 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
-                 fold_store: int = 0, fold_async: bool = False, fold_ahead: bool = False, out=None):
+                 fold_store: int = 0, fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False,
+                 fold_parts: int = 3, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
-                                        ring_async, warps, l2_ahead, fold_store, fold_async, fold_ahead)
+                                        ring_async, warps, l2_ahead, fold_store, fold_async, fold_ahead,
+                                        fold_smem, fold_parts)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -912,15 +953,16 @@ FOLD_STORES = {0: "from the accumulator layout", 1: "by TMA from two staging buf
 # 65.7 / 15.9) and the fold costs 9.9-12.5 us with no store at all; so its tokens by cp.async (``fold_async``) and each
 # chunk's update issued a tile ahead (``fold_ahead``)
 FOLD_BASE = dict(b_k=32, b_v=64, prefetch=True)
-FOLD_CONFIGS = [dict(FOLD_BASE, coalesce=True, fold_store=4)] + [
-    dict(FOLD_BASE, **extra, fold_store=store)
-    for extra in (dict(fold_async=True), dict(coalesce=True, fold_async=True), dict(fold_async=True, fold_ahead=True),
-                  dict(coalesce=True, fold_async=True, fold_ahead=True))
-    for store in (0, 2, 4)] + [
-    dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4, l2_ahead=396),
-    dict(FOLD_BASE, coalesce=True, fold_async=True, fold_ahead=True, fold_store=2, l2_ahead=396),
-    dict(FOLD_BASE, coalesce=True, fold_async=True, fold_ahead=True, fold_store=3),
-    dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=3)]
+# the second call's sweep (every pair of cp.async / ahead / coalesce over the store forms, 17 configurations) found
+# ``fold_async`` + ``fold_ahead`` + the TMA store from X's bytes best (B=16 62.4, with ``l2_ahead`` 62.1; B=32 120.4);
+# coalesced u and o cost a fold more than they save (shared memory over two programs an SM, or spills)
+FOLD_BEST = dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4)
+# third call: the updates' bf16 parts made once in shared memory (``fold_smem``), R' in the state parts' bytes
+# (``alias_r``, room for a width-32 ring's write round), the third part left out (timing: what it costs)
+FOLD_CONFIGS = [FOLD_BEST, dict(FOLD_BEST, l2_ahead=396), dict(FOLD_BEST, fold_smem=True),
+                dict(FOLD_BEST, fold_smem=True, l2_ahead=396), dict(FOLD_BEST, fold_smem=True, alias_r=True),
+                dict(FOLD_BEST, fold_smem=True, alias_r=True, coalesce=True),
+                dict(FOLD_BEST, fold_smem=True, fold_parts=2), dict(FOLD_BEST, fold_smem=True, fold_store=3)]
 
 
 def fold_run(repeats: int, batch: int = 16) -> dict:
@@ -1005,10 +1047,13 @@ RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=Tr
                 dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=True, l2_ahead=396),
                 dict(b_k=32, b_v=64, prefetch=True, ring_async=True),
                 dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True)]
-FOLD_WIDE_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True), dict(b_k=32, b_v=64, prefetch=True, l2_ahead=396),
-                     dict(b_k=32, b_v=64, prefetch=True, coalesce=True)]
+# a ring's write round (the fold of its tokens): before the twenty-second session ``prefetch`` (+ ``l2_ahead``,
+# ``coalesce``); now the fold's best options, R' in the state parts' bytes so that a width-32 fold keeps two programs
+# an SM
+FOLD_WIDE_CONFIGS = [dict(FOLD_BEST, alias_r=True), dict(FOLD_BEST, alias_r=True, fold_smem=True),
+                     dict(FOLD_BEST, alias_r=True, fold_smem=True, l2_ahead=396)]
 # `--ring --quick`: the best read and write of the full sets, with and without the next wave's inputs in L2
-RING_QUICK = ([RING_CONFIGS[0], RING_CONFIGS[1]], [FOLD_WIDE_CONFIGS[0], FOLD_WIDE_CONFIGS[1]])
+RING_QUICK = ([RING_CONFIGS[0], RING_CONFIGS[1]], FOLD_WIDE_CONFIGS)
 
 
 def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24, quick: bool = False) -> dict:
@@ -1120,7 +1165,8 @@ def print_fold(out: dict) -> None:
           f"{out['shipped_folded_us'] - out['shipped_verify_us']:.1f} |  |")
     for e in out["runs"]:
         name = " ".join(f"{k}={v}" for k, v in e.items()
-                        if k in ("prefetch", "coalesce", "fold_store", "fold_async", "fold_ahead", "l2_ahead"))
+                        if k in ("prefetch", "coalesce", "alias_r", "fold_store", "fold_async", "fold_ahead", "fold_smem",
+                                 "fold_parts", "l2_ahead"))
         if "us" not in e:
             print(f"| {name} | {e.get('status', '-')[:50]} |  |  |  |")
             continue
