@@ -1049,9 +1049,8 @@ RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=Tr
                 dict(b_k=32, b_v=64, prefetch=True, coalesce=True), dict(b_k=32, b_v=64, prefetch=True)]
 # a ring's write round (the fold of its tokens): before the twenty-second session ``prefetch`` (+ ``l2_ahead``,
 # ``coalesce``); now the fold's best options, R' in the state parts' bytes so that a width-32 fold keeps two programs
-# an SM
-FOLD_WIDE_CONFIGS = [dict(FOLD_BEST, alias_r=True), dict(FOLD_BEST, alias_r=True, fold_smem=True),
-                     dict(FOLD_BEST, alias_r=True, fold_smem=True, l2_ahead=396)]
+# an SM (third call, B=16 widths 16 / 32: 62.9 / 67.1 us; with the parts in shared memory 64.5 / 70.7)
+FOLD_WIDE_CONFIGS = [dict(FOLD_BEST, alias_r=True), dict(FOLD_BEST, alias_r=True, l2_ahead=396), FOLD_BEST]
 # `--ring --quick`: the best read and write of the full sets, with and without the next wave's inputs in L2
 RING_QUICK = ([RING_CONFIGS[0], RING_CONFIGS[1]], FOLD_WIDE_CONFIGS)
 
@@ -1122,6 +1121,7 @@ def ring_run(repeats: int, batch: int = 16, widths=(32, 16), layers: int = 24, q
                         functools.partial(gluon_verify, **extra, **options), None, repeats=repeats)[0].p50_us})
                 print(f"ring {entry}", flush=True)
                 out["runs"].append(entry)
+        out["sequences"] = out.get("sequences", []) + ring_sequences(bench, out["runs"], width, tokens, repeats)
     # the shipped all-layer commit of each request's deepest path, per layer (as `CaseBench.time_rounds` times it)
     tree, pool, inputs, slots = bench.sets(64)
     x = inputs[0]
@@ -1156,6 +1156,49 @@ def print_ring(out: dict) -> None:
         rd, wr = min(reads), min(writes + [min(reads) + out["commit_layers_us"]])
         cells = [f"{((n - 1) * rd + wr) / n:.1f}" for n in (2, 4, 8)]
         print(f"| Gluon ring | {width} | {rd:.1f} | {wr:.1f} | " + " | ".join(cells) + " |")
+    for seq in out.get("sequences", []):
+        print(f"| Gluon ring, timed in sequence | {seq['width']} | R={seq['rounds']}: {seq['us']:.1f} us a round "
+              f"(projected {seq['projected_us']:.1f}) |  |  |  |  |")
+
+
+def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, rounds=(2, 3, 4)) -> list[dict]:
+    """The ring's rounds timed as an engine runs them, not projected: ``R - 1`` read rounds then a write round, cycled
+    through one CUDA graph over the bench's rotating input sets (each launch its own set), per round; the fastest
+    checked read and write of ``width``. The tokens are the timed runs' (every table full: a conservative read)."""
+    import functools
+
+    from bole_tune.timing import time_launches
+
+    def best(kind: str):
+        done = [r for r in runs if r["width"] == width and r["kind"] == kind and "us" in r]
+        return min(done, key=lambda r: r["us"]) if done else None
+
+    read, write = best("read"), best("write")
+    if read is None or write is None:
+        return []
+    tree, pool, inputs, slots = bench.sets(64)
+    options = {kind: {k: v for k, v in r.items() if k in LAUNCH_OPTIONS} for kind, r in (("read", read), ("write", write))}
+    verify = {"read": functools.partial(gluon_verify, ring=tokens, **options["read"]),
+              "write": functools.partial(gluon_verify, fold=(tokens.rows, tokens), **options["write"])}
+    out = []
+    for r in rounds:
+        n = r * (len(inputs) // r)
+
+        def launch(i, r=r):
+            x = inputs[i]
+            verify["write" if i % r == r - 1 else "read"](x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree)
+
+        us = time_launches(launch, n, bench.device, repeats=repeats).p50_us
+        out.append(dict(width=width, rounds=r, us=us, projected_us=((r - 1) * read["us"] + write["us"]) / r,
+                        read=options["read"], write=options["write"]))
+        print(f"ring sequence width {width} R={r}: {us:.1f} us a round (projected "
+              f"{out[-1]['projected_us']:.1f})", flush=True)
+    return out
+
+
+# `gluon_verify`'s launch options, as a sweep's entries name them
+LAUNCH_OPTIONS = ("b_k", "b_v", "maxnreg", "alias_r", "rows", "tma_stages", "prefetch", "coalesce", "ring_async",
+                  "warps", "l2_ahead", "fold_store", "fold_async", "fold_ahead", "fold_smem", "fold_parts")
 
 
 def print_fold(out: dict) -> None:
