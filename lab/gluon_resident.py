@@ -83,7 +83,7 @@ def gluon_resident_kernel(
     KP_SHARED: gl.constexpr, RING: gl.constexpr, RING_ASYNC: gl.constexpr, MMA_P: gl.constexpr, DP_SHARED: gl.constexpr,
     UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
     FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr, FOLD_ASYNC: gl.constexpr, FOLD_AHEAD: gl.constexpr,
-    FOLD_SMEM: gl.constexpr, FOLD_PARTS: gl.constexpr, UPT_SHARED: gl.constexpr,
+    FOLD_SMEM: gl.constexpr, FOLD_PARTS: gl.constexpr, UPT_SHARED: gl.constexpr, FOLD_LATE: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -163,7 +163,7 @@ def gluon_resident_kernel(
                                                    mask=m_t[:, None])
             async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
                                                    mask=m_t[:, None])
-        if RING_ASYNC or FOLD_ASYNC:
+        if RING_ASYNC or (FOLD_ASYNC and not FOLD_LATE):
             # a ring read round's (or a fold's) token keys join the first group
             rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_KP))
             kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
@@ -189,9 +189,22 @@ def gluon_resident_kernel(
                 async_copy.async_copy_global_to_shared(
                     u32_smem.index(t), prev_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
                     mask=m_u[:, None])
+        if FOLD_LATE:
+            # a fold needs its tokens' keys only in the stream: they join the second group, behind the tree's rows
+            rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_KP))
+            kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+            token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_KP, True)
         async_copy.commit_group()
     else:
         v_smem = 0  # unused: v tiles loaded in the readout
+    if FOLD_LATE:
+        # the fold's per-token loads (rows, logP, key scales; the path's last logP) issued now, their dependent
+        # latencies behind the q/k rows' arrival; the weights and decay are worked out after the q/k rows
+        rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
+        logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
+        scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
+        row_a = gl.max(gl.where(m_pc, rows_pc, -1), axis=0)
+        logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
     # the tree's rows (i) and columns (j)
     o_i = gl.arange(0, B_T, layout=ROW)
     o_j = gl.arange(0, B_T, layout=COL)
@@ -224,16 +237,17 @@ def gluon_resident_kernel(
         # the previous round's accepted path of this slot (docs/math.md §4): its rows, weights
         # w_j = exp(logP_a - logP_j) * k_scale_j and decay P_a = exp(logP_a) (1 and no rows: nothing pending); its keys
         # to shared memory as the fold's B operand
-        rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_P))
-        row_a = gl.max(gl.where(m_p, rows_p, -1), axis=0)
-        logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
+        if not FOLD_LATE:
+            rows_p, m_p = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(1, LD_P))
+            row_a = gl.max(gl.where(m_p, rows_p, -1), axis=0)
+            logp_a = gl.load(prev_logp_ptr + gl.maximum(row_a, 0) * H_V + i_h)
+            if not FOLD_ASYNC:
+                kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
+                token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
+            rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
+            logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
+            scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
         fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
-        if not FOLD_ASYNC:
-            kp_smem = gl.allocate_shared_memory(gl.bfloat16, [NK, B_P, B_K], KP_SHARED)
-            token_keys(kp_smem, prev_k_ptr + i_hk * D_K, rows_p, m_p, H_K * D_K, B_K, NK, LD_P, False)
-        rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
-        logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
-        scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
         weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
     elif RING:
         # a ring read round's pending tokens j (rows of the earlier rounds' results; -1: none): their raw keys to
@@ -764,13 +778,15 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
                 ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0,
-                fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False, fold_parts: int = 3):
+                fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False, fold_parts: int = 3,
+                fold_late: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
     ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
     with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
     tile's products; ``fold_smem``: the updates' bf16 parts made once, in shared memory, needs ``fold_async``;
-    ``fold_parts`` 2: the third part left out, to see what it costs)."""
+    ``fold_parts`` 2: the third part left out, to see what it costs; ``fold_late``: the fold's keys in the second
+    cp.async group and its per-token loads issued before the tree's, with ``fold_async``)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -791,8 +807,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
         raise ValueError("ring_async: a ring read round with prefetch")
     if fold_async and not (fold is not None and prefetch):
         raise ValueError("fold_async: a fold with prefetch")
-    if fold_smem and not fold_async:
-        raise ValueError("fold_smem: with fold_async")
+    if (fold_smem or fold_late) and not fold_async:
+        raise ValueError("fold_smem, fold_late: with fold_async")
     if warps != 4 and (fold is not None or ring is not None or rows or tma_stages):
         raise ValueError("warps: 8 only for the plain verify")
     b_p = fold[0].shape[1] if fold is not None else ring.rows.shape[1] if ring is not None else 16
@@ -817,7 +833,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
                 FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps), FOLD_ASYNC=fold is not None and fold_async,
                 FOLD_AHEAD=fold is not None and fold_ahead, FOLD_SMEM=fold is not None and fold_smem,
-                FOLD_PARTS=fold_parts, UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
+                FOLD_PARTS=fold_parts, FOLD_LATE=fold is not None and fold_late, UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -828,12 +844,12 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
                  fold_store: int = 0, fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False,
-                 fold_parts: int = 3, out=None):
+                 fold_parts: int = 3, fold_late: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
                                         ring_async, warps, l2_ahead, fold_store, fold_async, fold_ahead,
-                                        fold_smem, fold_parts)
+                                        fold_smem, fold_parts, fold_late)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -959,10 +975,11 @@ FOLD_BASE = dict(b_k=32, b_v=64, prefetch=True)
 FOLD_BEST = dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4)
 # third call: the updates' bf16 parts made once in shared memory (``fold_smem``), R' in the state parts' bytes
 # (``alias_r``, room for a width-32 ring's write round), the third part left out (timing: what it costs)
-FOLD_CONFIGS = [FOLD_BEST, dict(FOLD_BEST, l2_ahead=396), dict(FOLD_BEST, fold_smem=True),
-                dict(FOLD_BEST, fold_smem=True, l2_ahead=396), dict(FOLD_BEST, fold_smem=True, alias_r=True),
-                dict(FOLD_BEST, fold_smem=True, alias_r=True, coalesce=True),
-                dict(FOLD_BEST, fold_smem=True, fold_parts=2), dict(FOLD_BEST, fold_smem=True, fold_store=3)]
+# (third call: the parts in shared memory slower, 64.5; the third part costs 0.0-0.5 us; no store at all 60.3)
+# fourth call: the fold's per-token loads issued before the tree's and its keys in the second group (``fold_late``)
+FOLD_CONFIGS = [FOLD_BEST, dict(FOLD_BEST, fold_late=True), dict(FOLD_BEST, fold_late=True, l2_ahead=396),
+                dict(FOLD_BEST, fold_late=True, alias_r=True), dict(FOLD_BEST, fold_late=True, fold_store=0),
+                dict(FOLD_BEST, fold_late=True, fold_store=2), dict(FOLD_BEST, fold_late=True, fold_store=3)]
 
 
 def fold_run(repeats: int, batch: int = 16) -> dict:
@@ -1182,11 +1199,12 @@ def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, ro
               "write": functools.partial(gluon_verify, fold=(tokens.rows, tokens), **options["write"])}
     out = []
     for r in rounds:
-        n = r * (len(inputs) // r)
+        n = r * len(inputs)  # every set in every position of the cycle (B=32 has fewer sets than rounds)
 
         def launch(i, r=r):
-            x = inputs[i]
-            verify["write" if i % r == r - 1 else "read"](x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree)
+            x = inputs[i % len(inputs)]
+            verify["write" if i % r == r - 1 else "read"](x.q, x.k, x.v, x.g, x.beta, pool, slots[i % len(inputs)],
+                                                          tree)
 
         us = time_launches(launch, n, bench.device, repeats=repeats).p50_us
         out.append(dict(width=width, rounds=r, us=us, projected_us=((r - 1) * read["us"] + write["us"]) / r,
@@ -1198,7 +1216,7 @@ def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, ro
 
 # `gluon_verify`'s launch options, as a sweep's entries name them
 LAUNCH_OPTIONS = ("b_k", "b_v", "maxnreg", "alias_r", "rows", "tma_stages", "prefetch", "coalesce", "ring_async",
-                  "warps", "l2_ahead", "fold_store", "fold_async", "fold_ahead", "fold_smem", "fold_parts")
+                  "warps", "l2_ahead", "fold_store", "fold_async", "fold_ahead", "fold_smem", "fold_parts", "fold_late")
 
 
 def print_fold(out: dict) -> None:
@@ -1208,8 +1226,7 @@ def print_fold(out: dict) -> None:
           f"{out['shipped_folded_us'] - out['shipped_verify_us']:.1f} |  |")
     for e in out["runs"]:
         name = " ".join(f"{k}={v}" for k, v in e.items()
-                        if k in ("prefetch", "coalesce", "alias_r", "fold_store", "fold_async", "fold_ahead", "fold_smem",
-                                 "fold_parts", "l2_ahead"))
+                        if k in LAUNCH_OPTIONS[2:])
         if "us" not in e:
             print(f"| {name} | {e.get('status', '-')[:50]} |  |  |  |")
             continue
