@@ -1057,7 +1057,37 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     out["shipped_folded_us"] = bench.time_folded(repeats=repeats).p50_us
     print(f"shipped verify {out['shipped_verify_us']:.1f} us, shipped folded round {out['shipped_folded_us']:.1f} us",
           flush=True)
+    # two launches alternating in one graph against each alone: what a switch between binaries costs (the ring's
+    # rounds timed in sequence came out 4-9 us a round above their projection)
+    fold_a = functools.partial(gluon_verify, fold=(path_rows, prev), **FOLD_CONFIGS[0])
+    fold_b = functools.partial(gluon_verify, fold=(path_rows, prev), **FOLD_CONFIGS[1])
+    plain_a = functools.partial(gluon_verify, **FOLD_BASE)
+    out["alternating"] = [alternating(bench, pair, names, repeats)
+                          for pair, names in (((fold_a, fold_a), ("fold 0", "fold 0")),
+                                              ((fold_a, fold_b), ("fold 0", "fold 1")),
+                                              ((plain_a, fold_a), ("plain", "fold 0")),
+                                              ((plain_a, plain_a), ("plain", "plain")))]
     return out
+
+
+def alternating(bench, pair, names, repeats: int) -> dict:
+    """``pair[0]`` and ``pair[1]`` alternating, each launch its own input set, in one CUDA graph: us a launch, and the
+    mean of the two timed alone (the same way)."""
+    from bole_tune.timing import time_launches
+
+    tree, pool, inputs, slots = bench.sets(64)
+    n = 2 * len(inputs)
+
+    def launch(i):
+        x = inputs[i % len(inputs)]
+        pair[i % 2](x.q, x.k, x.v, x.g, x.beta, pool, slots[i % len(inputs)], tree)
+
+    alone = [bench.time_verify(fn, None, repeats=repeats)[0].p50_us for fn in pair]
+    row = dict(names=list(names), alternating_us=time_launches(launch, n, bench.device, repeats=repeats).p50_us,
+               alone_us=alone, mean_alone_us=sum(alone) / 2)
+    print(f"alternating {names[0]} / {names[1]}: {row['alternating_us']:.1f} us a launch, alone "
+          f"{alone[0]:.1f} / {alone[1]:.1f}", flush=True)
+    return row
 
 
 RING_CONFIGS = [dict(b_k=32, b_v=64, prefetch=True, coalesce=True, ring_async=True),
