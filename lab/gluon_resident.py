@@ -434,6 +434,12 @@ def gluon_resident_kernel(
             sc_offsets = 0
         A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
         zeros_s = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
+        if FOLD and FOLD_AHEAD == 2:
+            # every chunk's update a tile ahead, across value tiles too: the first value tile's operands and its first
+            # chunk's update issued before the stream
+            gl.static_assert(FOLD_ASYNC and not FOLD_SMEM, "FOLD_AHEAD 2: with FOLD_ASYNC, not FOLD_SMEM")
+            up_hi, up_mid, up_lo = fold_operands(u32_smem.index(0), weight_pc, LD_P, A_FOLD)
+            d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
         for t in gl.static_range(NV):
             b_qs = zeros_v
             b_ks = zeros_v
@@ -445,7 +451,12 @@ def gluon_resident_kernel(
                 o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
                 b_up = gl.load(prev_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
                                mask=m_u[:, None], other=0.0)
-            if FOLD and FOLD_SMEM:
+            if FOLD and FOLD_AHEAD == 2:
+                if t > 0:  # made during the previous value tile's last chunk
+                    up_hi = nxt_hi
+                    up_mid = nxt_mid
+                    up_lo = nxt_lo
+            elif FOLD and FOLD_SMEM:
                 up_hi = up_parts.index(3 * t)
                 up_mid = up_parts.index(3 * t + 1)
                 up_lo = up_parts.index(3 * t + 2)
@@ -476,13 +487,16 @@ def gluon_resident_kernel(
                         # the update sum_j (w_j u_j) k_j^T does not depend on S: the next chunk's is issued before
                         # this tile's products (done by the time they are) and only the first chunk's of each value
                         # tile waits on the tensor cores; S' = P_a S + update elementwise
-                        if c == 0:
+                        if c == 0 and FOLD_AHEAD == 1:
                             d_cur = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
                         else:
                             d_cur = d_next
                         d_cur = warpgroup_mma_wait(num_outstanding=0, deps=(d_cur,))
                         if c + 1 < NK:
                             d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_s, FOLD_PARTS)
+                        elif FOLD_AHEAD == 2 and t + 1 < NV:
+                            nxt_hi, nxt_mid, nxt_lo = fold_operands(u32_smem.index(t + 1), weight_pc, LD_P, A_FOLD)
+                            d_next = fold_update(nxt_hi, nxt_mid, nxt_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
                         b_s = b_s * fold_decay + d_cur
                     else:
                         b_s = warpgroup_mma(up_hi, kp_smem.index(c), b_s * fold_decay, is_async=True)
@@ -605,6 +619,18 @@ def fold_update(up_hi, up_mid, up_lo, kp, zeros, PARTS: gl.constexpr = 3):
     if PARTS == 3:
         d = warpgroup_mma(up_lo, kp, d, is_async=True)
     return d
+
+
+@gluon.jit
+def fold_operands(u32_tile, weight, LD_P: gl.constexpr, A_FOLD: gl.constexpr):
+    """A value tile's weighted updates ``w_j u_j`` (``u32_tile`` ``[B_P, B_V]`` fp32 in shared memory, read as
+    ``[B_V, B_P]``) as three bf16 parts that sum to them, in the fold's A-operand layout."""
+    b_up = u32_tile.permute((1, 0)).load(LD_P) * weight[None, :]
+    hi = b_up.to(gl.bfloat16)
+    rest = b_up - hi.to(gl.float32)
+    mid = rest.to(gl.bfloat16)
+    lo = (rest - mid.to(gl.float32)).to(gl.bfloat16)
+    return gl.convert_layout(hi, A_FOLD), gl.convert_layout(mid, A_FOLD), gl.convert_layout(lo, A_FOLD)
 
 
 @gluon.jit
@@ -778,13 +804,13 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 alias_r: bool = False, rows: bool = False, tma_stages: int = 0, ablate: int = 0, pad: int = 0,
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
                 ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0,
-                fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False, fold_parts: int = 3,
+                fold_async: bool = False, fold_ahead: int = 0, fold_smem: bool = False, fold_parts: int = 3,
                 fold_late: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
     ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
     with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
-    tile's products; ``fold_smem``: the updates' bf16 parts made once, in shared memory, needs ``fold_async``;
+    tile's products, 2: across value tiles too; ``fold_smem``: the updates' bf16 parts made once, in shared memory, needs ``fold_async``;
     ``fold_parts`` 2: the third part left out, to see what it costs; ``fold_late``: the fold's keys in the second
     cp.async group and its per-token loads issued before the tree's, with ``fold_async``)."""
     n, hk, dk = q.shape
@@ -843,7 +869,7 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  b_v: int = 64, maxnreg: int | None = None, alias_r: bool = False, rows: bool = False,
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
-                 fold_store: int = 0, fold_async: bool = False, fold_ahead: bool = False, fold_smem: bool = False,
+                 fold_store: int = 0, fold_async: bool = False, fold_ahead: int = 0, fold_smem: bool = False,
                  fold_parts: int = 3, fold_late: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
@@ -976,10 +1002,13 @@ FOLD_BEST = dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4)
 # third call: the updates' bf16 parts made once in shared memory (``fold_smem``), R' in the state parts' bytes
 # (``alias_r``, room for a width-32 ring's write round), the third part left out (timing: what it costs)
 # (third call: the parts in shared memory slower, 64.5; the third part costs 0.0-0.5 us; no store at all 60.3)
-# fourth call: the fold's per-token loads issued before the tree's and its keys in the second group (``fold_late``)
+# fifth call: the fold's per-token loads issued before the tree's and its keys in the second group (``fold_late``);
+# every chunk's update a tile ahead across value tiles too (``fold_ahead`` 2)
 FOLD_CONFIGS = [FOLD_BEST, dict(FOLD_BEST, fold_late=True), dict(FOLD_BEST, fold_late=True, l2_ahead=396),
                 dict(FOLD_BEST, fold_late=True, alias_r=True), dict(FOLD_BEST, fold_late=True, fold_store=0),
-                dict(FOLD_BEST, fold_late=True, fold_store=2), dict(FOLD_BEST, fold_late=True, fold_store=3)]
+                dict(FOLD_BEST, fold_late=True, fold_store=2), dict(FOLD_BEST, fold_late=True, fold_store=3),
+                dict(FOLD_BEST, fold_late=True, fold_ahead=2), dict(FOLD_BEST, fold_late=True, fold_ahead=2, alias_r=True),
+                dict(FOLD_BEST, fold_late=True, fold_ahead=2, fold_store=3)]
 
 
 def fold_run(repeats: int, batch: int = 16) -> dict:
