@@ -1,0 +1,112 @@
+"""What a verify launch pays when another kernel ran just before it, against the same launch timed after itself.
+
+Every figure in BENCHMARKS.md times a kernel back to back with itself (one CUDA graph over rotating input sets), as
+issue 17's convention asks. The twenty-second session found that two different Gluon binaries alternating cost 4-8 us
+a launch more at B=16 than each alone (`gluon_resident.py --fold`'s ``alternating``). In an engine a GDN layer's
+launch follows other layers' kernels, so this asks, at B=16 with 64-node trees (9B heads, bf16): for each verify
+(the shipped `tree_verify`, `serial_verify`, and when Gluon runs here the lab's Gluon verify and fold), what does
+one launch cost when it alternates with
+
+- ``gemm``: a GEMM of an output projection's size at the tree's tokens (``[B * 64, 4096] x [4096, 4096]``, bf16),
+- ``other``: a different large verify binary (the shipped `tree_verify` for the others, `serial_verify` for it),
+
+each pair in one graph, every launch on its own input set; the extra is ``pair - alone - other alone``.
+
+    python3 lab/switch_cost.py [--batch 16] [--repeats 20] [--json OUT]     # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import torch
+
+from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.kernels import serial_verify, tree_verify
+from bole_tune.shapes import HeadShape
+from bole_tune.timing import time_launches
+
+HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
+
+
+def verifies(bench) -> dict:
+    """Name -> ``fn(x, pool, slots, tree)`` of each verify this machine runs."""
+    shipped = bench.launch()
+    out = {"shipped tree_verify": functools.partial(tree_verify, launch=shipped),
+           "serial_verify": serial_verify}
+    try:
+        import gluon_resident as gr
+    except Exception as e:  # noqa: BLE001 - the Gluon rows are optional: say why they are missing
+        print(f"no Gluon rows: {type(e).__name__}: {e}", flush=True)
+        return out
+    out["Gluon verify"] = functools.partial(gr.gluon_verify, **gr.FOLD_BASE)
+    return out
+
+
+def pair_us(bench, first, second, repeats: int) -> float:
+    """``first`` then ``second`` (each ``launch(i)`` callables) alternating in one graph: us per pair."""
+    _, _, inputs, _ = bench.sets(64)
+    n = 2 * len(inputs)
+
+    def launch(i):
+        (first if i % 2 == 0 else second)(i // 2 % len(inputs))
+
+    return 2 * time_launches(launch, n, bench.device, repeats=repeats).p50_us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no GPU here: run on the H200")
+    bench = CaseBench(BenchCase(HEADS_9B, args.batch, 64, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"),
+                      "cuda")
+    tree, pool, inputs, slots = bench.sets(64)
+    tokens = args.batch * 64
+    a = [torch.randn(tokens, 4096, dtype=torch.bfloat16, device="cuda") for _ in inputs]
+    w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    outs = [torch.empty(tokens, 4096, dtype=torch.bfloat16, device="cuda") for _ in inputs]
+
+    def gemm(i):
+        torch.matmul(a[i], w, out=outs[i])
+
+    fns = verifies(bench)
+
+    def as_launch(fn):
+        def launch(i):
+            x = inputs[i]
+            fn(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+        return launch
+
+    alone = {"gemm": time_launches(gemm, len(inputs), bench.device, repeats=args.repeats).p50_us}
+    for name, fn in fns.items():
+        alone[name] = time_launches(as_launch(fn), len(inputs), bench.device, repeats=args.repeats).p50_us
+    print(f"alone, us: " + ", ".join(f"{k} {v:.1f}" for k, v in alone.items()), flush=True)
+    rows = []
+    for name, fn in fns.items():
+        other = "serial_verify" if name == "shipped tree_verify" else "shipped tree_verify"
+        for partner, launch in (("gemm", gemm), (other, as_launch(fns[other]))):
+            pair = pair_us(bench, as_launch(fn), launch, args.repeats)
+            extra = pair - alone[name] - alone[partner]
+            rows.append(dict(verify=name, partner=partner, pair_us=pair, alone_us=alone[name],
+                             partner_alone_us=alone[partner], extra_us=extra))
+            print(f"{name} with {partner}: pair {pair:.1f} us, alone {alone[name]:.1f} + {alone[partner]:.1f}, "
+                  f"extra {extra:+.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "alone_us": alone, "rows": rows}, f, indent=1)
+    print(f"\n| B={args.batch} T=64, us | alone | with a GEMM between: extra | with another verify between: extra |")
+    print("|---|---|---|---|")
+    for name in fns:
+        cells = [f"{r['extra_us']:+.1f}" for r in rows if r["verify"] == name]
+        print(f"| {name} | {alone[name]:.1f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
