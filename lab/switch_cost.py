@@ -4,7 +4,7 @@ Every figure in BENCHMARKS.md times a kernel back to back with itself (one CUDA 
 issue 17's convention asks. The twenty-second session found that two different Gluon binaries alternating cost 4-8 us
 a launch more at B=16 than each alone (`gluon_resident.py --fold`'s ``alternating``). In an engine a GDN layer's
 launch follows other layers' kernels, so this asks, at B=16 with 64-node trees (9B heads, bf16): for each verify
-(the shipped `tree_verify`, `serial_verify`, and when Gluon runs here the lab's Gluon verify and fold), what does
+(the shipped `tree_verify`, `serial_verify`, and when Gluon runs here the lab's Gluon verify and its fold), what does
 one launch cost when it alternates with
 
 - ``gemm``: a GEMM of an output projection's size at the tree's tokens (``[B * 64, 4096] x [4096, 4096]``, bf16),
@@ -43,6 +43,15 @@ def verifies(bench) -> dict:
         print(f"no Gluon rows: {type(e).__name__}: {e}", flush=True)
         return out
     out["Gluon verify"] = functools.partial(gr.gluon_verify, **gr.FOLD_BASE)
+    # the Gluon fold of each request's deepest path of a previous round (the pool written in place)
+    from bole_tune.kernels.verify.pending import pending_path_rows
+
+    tree, pool, inputs, slots = bench.sets(64)
+    x = inputs[-1]
+    prev = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[-1], tree, validate=False)
+    rows = pending_path_rows(tree, bench.deepest(tree), torch.arange(tree.num_requests, dtype=torch.int32,
+                                                                      device="cuda"))
+    out["Gluon fold"] = functools.partial(gr.gluon_verify, fold=(rows, prev), **gr.FOLD_BEST)
     return out
 
 
