@@ -66,11 +66,46 @@ def pair_us(bench, first, second, repeats: int) -> float:
     return 2 * time_launches(launch, n, bench.device, repeats=repeats).p50_us
 
 
+def ring_with_gemm(bench, gemm, gemm_us: float, repeats: int, width: int = 32, r: int = 3) -> dict:
+    """The Gluon ring's rounds (``r - 1`` reads then a write, the best read and write options of the twenty-second
+    session, every table of ``width`` full) each followed by the GEMM, as in an engine where a layer's projections run
+    between its GDN launches: us a round less the GEMM alone, against the rounds timed alone and projected."""
+    import gluon_resident as gr
+
+    tree, pool, inputs, slots = bench.sets(64)
+    tokens = gr.ring_tokens(bench.case.batch, HEADS_9B, width, "cuda")
+    read = functools.partial(gr.gluon_verify, ring=tokens, **gr.RING_CONFIGS[1])
+    write = functools.partial(gr.gluon_verify, fold=(tokens.rows, tokens), **gr.FOLD_WIDE_CONFIGS[0])
+    out = {}
+    for name, fn in (("read", read), ("write", write)):
+        def launch(i, fn=fn):
+            x = inputs[i]
+            fn(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree)
+        out[name] = time_launches(launch, len(inputs), bench.device, repeats=repeats).p50_us
+    n = 2 * r * len(inputs)
+
+    def cycle(i):
+        j = i // 2
+        if i % 2:
+            gemm(j % len(inputs))
+        else:
+            x = inputs[j % len(inputs)]
+            (write if j % r == r - 1 else read)(x.q, x.k, x.v, x.g, x.beta, pool, slots[j % len(inputs)], tree)
+
+    both = 2 * time_launches(cycle, n, bench.device, repeats=repeats).p50_us
+    out.update(width=width, rounds=r, with_gemm_us=both - gemm_us, projected_us=((r - 1) * out["read"] + out["write"]) / r)
+    print(f"ring width {width} R={r}: read {out['read']:.1f}, write {out['write']:.1f}, projected "
+          f"{out['projected_us']:.1f}; each round followed by the GEMM, less the GEMM: {out['with_gemm_us']:.1f} us",
+          flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json")
+    parser.add_argument("--ring", action="store_true", help="only the Gluon ring's rounds, each followed by the GEMM")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run on the H200")
@@ -85,6 +120,11 @@ def main() -> None:
     def gemm(i):
         torch.matmul(a[i], w, out=outs[i])
 
+    if args.ring:
+        gemm_us = time_launches(gemm, len(inputs), bench.device, repeats=args.repeats).p50_us
+        print(f"gemm alone {gemm_us:.1f} us", flush=True)
+        ring_with_gemm(bench, gemm, gemm_us, args.repeats)
+        return
     fns = verifies(bench)
 
     def as_launch(fn):
