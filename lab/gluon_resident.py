@@ -438,7 +438,7 @@ def gluon_resident_kernel(
             # every chunk's update a tile ahead, across value tiles too: the first value tile's operands and its first
             # chunk's update issued before the stream
             gl.static_assert(FOLD_ASYNC and not FOLD_SMEM, "FOLD_AHEAD 2: with FOLD_ASYNC, not FOLD_SMEM")
-            up_hi, up_mid, up_lo = fold_operands(u32_smem.index(0), weight_pc, LD_P, A_FOLD)
+            up_hi, up_mid, up_lo = fold_operands(u32_smem.index(0).permute((1, 0)).load(LD_P), weight_pc, A_FOLD)
             d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
         for t in gl.static_range(NV):
             b_qs = zeros_v
@@ -464,18 +464,12 @@ def gluon_resident_kernel(
                 # the path's weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum to
                 # them (8 + 8 + 8 significant bits): with 16-bit keys each part's products are exact
                 if FOLD_ASYNC:  # from shared memory (rows past the path zero-filled)
-                    b_up = u32_smem.index(t).permute((1, 0)).load(LD_P) * weight_pc[None, :]
+                    b_up = u32_smem.index(t).permute((1, 0)).load(LD_P)
                 else:
                     o_vp = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_P))
                     b_up = gl.load(prev_u_ptr + rows_pc[None, :] * (H_V * D_V) + i_h * D_V + o_vp[:, None],
-                                   mask=m_pc[None, :], other=0.0) * weight_pc[None, :]
-                up_hi = b_up.to(gl.bfloat16)
-                up_rest = b_up - up_hi.to(gl.float32)
-                up_mid = up_rest.to(gl.bfloat16)
-                up_lo = (up_rest - up_mid.to(gl.float32)).to(gl.bfloat16)
-                up_hi = gl.convert_layout(up_hi, A_FOLD)
-                up_mid = gl.convert_layout(up_mid, A_FOLD)
-                up_lo = gl.convert_layout(up_lo, A_FOLD)
+                                   mask=m_pc[None, :], other=0.0)
+                up_hi, up_mid, up_lo = fold_operands(b_up, weight_pc, A_FOLD)
             for c in gl.static_range(NK):
                 n = t * NK + c
                 b_s, b_s_next = state_tile(n, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_offsets, stride_s_v,
@@ -495,7 +489,8 @@ def gluon_resident_kernel(
                         if c + 1 < NK:
                             d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_s, FOLD_PARTS)
                         elif FOLD_AHEAD == 2 and t + 1 < NV:
-                            nxt_hi, nxt_mid, nxt_lo = fold_operands(u32_smem.index(t + 1), weight_pc, LD_P, A_FOLD)
+                            nxt_hi, nxt_mid, nxt_lo = fold_operands(u32_smem.index(t + 1).permute((1, 0)).load(LD_P),
+                                                                    weight_pc, A_FOLD)
                             d_next = fold_update(nxt_hi, nxt_mid, nxt_lo, kp_smem.index(0), zeros_s, FOLD_PARTS)
                         b_s = b_s * fold_decay + d_cur
                     else:
@@ -622,26 +617,29 @@ def fold_update(up_hi, up_mid, up_lo, kp, zeros, PARTS: gl.constexpr = 3):
 
 
 @gluon.jit
-def fold_operands(u32_tile, weight, LD_P: gl.constexpr, A_FOLD: gl.constexpr):
-    """A value tile's weighted updates ``w_j u_j`` (``u32_tile`` ``[B_P, B_V]`` fp32 in shared memory, read as
-    ``[B_V, B_P]``) as three bf16 parts that sum to them, in the fold's A-operand layout."""
-    b_up = u32_tile.permute((1, 0)).load(LD_P) * weight[None, :]
-    hi = b_up.to(gl.bfloat16)
-    rest = b_up - hi.to(gl.float32)
+def bf16_parts(x):
+    """fp32 ``x`` as three bf16 parts that sum to it (8 + 8 + 8 significant bits)."""
+    hi = x.to(gl.bfloat16)
+    rest = x - hi.to(gl.float32)
     mid = rest.to(gl.bfloat16)
-    lo = (rest - mid.to(gl.float32)).to(gl.bfloat16)
+    return hi, mid, (rest - mid.to(gl.float32)).to(gl.bfloat16)
+
+
+@gluon.jit
+def fold_operands(b_up, weight, A_FOLD: gl.constexpr):
+    """A value tile's updates ``u_j`` (``b_up`` ``[B_V, B_P]`` fp32) weighted by ``w_j`` (``weight``), as their three
+    bf16 parts in the fold's A-operand layout."""
+    hi, mid, lo = bf16_parts(b_up * weight[None, :])
     return gl.convert_layout(hi, A_FOLD), gl.convert_layout(mid, A_FOLD), gl.convert_layout(lo, A_FOLD)
 
 
 @gluon.jit
 def fold_parts(up_parts, first: gl.constexpr, b_up):
-    """``b_up`` (fp32) as three bf16 parts that sum to it (8 + 8 + 8 significant bits) into ``up_parts[first:first+3]``."""
-    hi = b_up.to(gl.bfloat16)
-    rest = b_up - hi.to(gl.float32)
-    mid = rest.to(gl.bfloat16)
+    """``b_up``'s three bf16 parts into ``up_parts[first:first+3]``."""
+    hi, mid, lo = bf16_parts(b_up)
     up_parts.index(first).store(hi)
     up_parts.index(first + 1).store(mid)
-    up_parts.index(first + 2).store((rest - mid.to(gl.float32)).to(gl.bfloat16))
+    up_parts.index(first + 2).store(lo)
 
 
 @gluon.jit
@@ -810,9 +808,9 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
     ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
     with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
-    tile's products, 2: across value tiles too; ``fold_smem``: the updates' bf16 parts made once, in shared memory, needs ``fold_async``;
-    ``fold_parts`` 2: the third part left out, to see what it costs; ``fold_late``: the fold's keys in the second
-    cp.async group and its per-token loads issued before the tree's, with ``fold_async``)."""
+    tile's products, 2: across value tiles too; ``fold_smem``: the updates' bf16 parts made once, in shared memory,
+    needs ``fold_async``; ``fold_parts`` 2: the third part left out, to see what it costs; ``fold_late``: the fold's
+    keys in the second cp.async group and its per-token loads issued before the tree's, with ``fold_async``)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -859,7 +857,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
                 FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps), FOLD_ASYNC=fold is not None and fold_async,
                 FOLD_AHEAD=fold is not None and fold_ahead, FOLD_SMEM=fold is not None and fold_smem,
-                FOLD_PARTS=fold_parts, FOLD_LATE=fold is not None and fold_late, UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
+                FOLD_PARTS=fold_parts, FOLD_LATE=fold is not None and fold_late,
+                UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
     return (hv, tree.num_requests), args, meta, res
@@ -999,15 +998,16 @@ FOLD_BASE = dict(b_k=32, b_v=64, prefetch=True)
 # ``fold_async`` + ``fold_ahead`` + the TMA store from X's bytes best (B=16 62.4, with ``l2_ahead`` 62.1; B=32 120.4);
 # coalesced u and o cost a fold more than they save (shared memory over two programs an SM, or spills)
 FOLD_BEST = dict(FOLD_BASE, fold_async=True, fold_ahead=True, fold_store=4)
-# third call: the updates' bf16 parts made once in shared memory (``fold_smem``), R' in the state parts' bytes
-# (``alias_r``, room for a width-32 ring's write round), the third part left out (timing: what it costs)
-# (third call: the parts in shared memory slower, 64.5; the third part costs 0.0-0.5 us; no store at all 60.3)
+# third call: the updates' bf16 parts made once in shared memory (``fold_smem``: slower, 64.5), R' in the state parts'
+# bytes (``alias_r``, room for a width-32 ring's write round), the third part left out (costs 0.0-0.5 us; no store at
+# all 60.3)
 # fifth call: the fold's per-token loads issued before the tree's and its keys in the second group (``fold_late``);
 # every chunk's update a tile ahead across value tiles too (``fold_ahead`` 2)
 FOLD_CONFIGS = [FOLD_BEST, dict(FOLD_BEST, fold_late=True), dict(FOLD_BEST, fold_late=True, l2_ahead=396),
                 dict(FOLD_BEST, fold_late=True, alias_r=True), dict(FOLD_BEST, fold_late=True, fold_store=0),
                 dict(FOLD_BEST, fold_late=True, fold_store=2), dict(FOLD_BEST, fold_late=True, fold_store=3),
-                dict(FOLD_BEST, fold_late=True, fold_ahead=2), dict(FOLD_BEST, fold_late=True, fold_ahead=2, alias_r=True),
+                dict(FOLD_BEST, fold_late=True, fold_ahead=2),
+                dict(FOLD_BEST, fold_late=True, fold_ahead=2, alias_r=True),
                 dict(FOLD_BEST, fold_late=True, fold_ahead=2, fold_store=3)]
 
 
@@ -1253,7 +1253,8 @@ def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, ro
     if read is None or write is None:
         return []
     tree, pool, inputs, slots = bench.sets(64)
-    options = {kind: {k: v for k, v in r.items() if k in LAUNCH_OPTIONS} for kind, r in (("read", read), ("write", write))}
+    options = {kind: {k: v for k, v in r.items() if k in LAUNCH_OPTIONS}
+               for kind, r in (("read", read), ("write", write))}
     verify = {"read": functools.partial(gluon_verify, ring=tokens, **options["read"]),
               "write": functools.partial(gluon_verify, fold=(tokens.rows, tokens), **options["write"])}
     out = []
@@ -1280,7 +1281,8 @@ LAUNCH_OPTIONS = ("b_k", "b_v", "maxnreg", "alias_r", "rows", "tma_stages", "pre
 
 def print_fold(out: dict) -> None:
     """`fold_run`'s entries as a markdown table: the folded round, the same launch without the fold, the difference."""
-    print(f"\n| B={out['batch']} T=64, us | folded round | verify alone | fold's cost | errors o / state |\n|---|---|---|---|---|")
+    print(f"\n| B={out['batch']} T=64, us | folded round | verify alone | fold's cost | errors o / state |")
+    print("|---|---|---|---|---|")
     print(f"| shipped | {out['shipped_folded_us']:.1f} | {out['shipped_verify_us']:.1f} | "
           f"{out['shipped_folded_us'] - out['shipped_verify_us']:.1f} |  |")
     for e in out["runs"]:
