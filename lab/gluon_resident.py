@@ -27,6 +27,7 @@ against the float64 reference (and the committed state of every request's deepes
                                                                    # program's phases, the commit folded in
     python3 lab/gluon_resident.py --ring [--quick] | --warps8 | --l2 [--batch B]  # H200: a ring's rounds, 8 warps,
                                                                    # the next wave's inputs in L2
+    python3 lab/gluon_resident.py --real-ring [--batch 4]          # a real ring's rounds (H200: Gluon; CPU: shipped)
 
 Later options (twentieth session): ``prefetch`` (every q, k and v row of the tree requested at once by cp.async,
 rows past the tree zero-filled), ``coalesce`` (u and o stored through row-contiguous layouts), ``ablate`` / ``pad``
@@ -37,6 +38,13 @@ on wgmma, nothing written; ``ring_async`` brings their keys and updates by cp.as
 accumulation with them), ``fold`` of such tokens as one path (a ring's write round), `ring_run` (``--ring``: both
 checked against float64 on synthetic tokens, `ring_tokens` / `ring_state`, and timed), ``warps`` 8 (``--warps8``) and
 ``l2_ahead`` (``--l2``: each program prefetches into L2 the inputs of the program that many launch positions later).
+
+Twenty-second session: the fold's options (``fold_store``: how its tiles are written, by TMA among them;
+``fold_async``, ``fold_ahead``, ``fold_smem``, ``fold_late``, ``fold_parts``; ``fold_w``: its weights given, a ring's
+write round of several rounds), `ring_sequences` (a ring's rounds timed back to back), `alternating`, and
+``--real-ring``: consecutive rounds of a shipped `PendingRing` on real tables (`ring_tables`, `real_ring_rounds`),
+the Gluon read and write rounds checked against float64 each round on the H200, the shipped kernels (and the tables
+against the shipped ring's states) on the CPU.
 
 Only 16-bit inputs with L2-normalised q and k on trees of at most 64 nodes and depth at most 12 (the shipped planner's
 fp16-sweep conditions).
@@ -84,6 +92,7 @@ def gluon_resident_kernel(
     UP_SHARED: gl.constexpr, LD_UP: gl.constexpr, LD_KP: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
     FOLD_STORE: gl.constexpr, LD_SC: gl.constexpr, FOLD_ASYNC: gl.constexpr, FOLD_AHEAD: gl.constexpr,
     FOLD_SMEM: gl.constexpr, FOLD_PARTS: gl.constexpr, UPT_SHARED: gl.constexpr, FOLD_LATE: gl.constexpr,
+    FOLD_W: gl.constexpr,
     MMA: gl.constexpr, MMA_V: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
     QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -247,8 +256,13 @@ def gluon_resident_kernel(
             rows_pc, m_pc = table_rows(path_rows_ptr + i_r * B_P, B_P, gl.SliceLayout(0, LD_P))
             logp_pc = gl.load(prev_logp_ptr + rows_pc * H_V + i_h, mask=m_pc, other=0.0)
             scale_pc = gl.load(prev_k_scale_ptr + rows_pc * H_K + i_hk, mask=m_pc, other=0.0)
-        fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
-        weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
+        if FOLD_W:
+            # a ring's write round: several rounds' paths, their weights and decay given (`ring_tables`)
+            weight_pc = gl.load(ring_w_ptr + (i_r * B_P + gl.arange(0, B_P, layout=gl.SliceLayout(0, LD_P))) * H_V + i_h)
+            fold_decay = gl.load(ring_decay_ptr + i_r * H_V + i_h)
+        else:
+            fold_decay = gl.where(row_a >= 0, gl.exp(logp_a), 1.0)
+            weight_pc = gl.where(m_pc, gl.exp(logp_a - logp_pc) * scale_pc, 0.0)
     elif RING:
         # a ring read round's pending tokens j (rows of the earlier rounds' results; -1: none): their raw keys to
         # shared memory (the B operand of Q K_p^T and K K_p^T), weights w_j = exp(L - L_j) r_k,j, decay exp(L)
@@ -803,14 +817,16 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 prefetch: bool = False, coalesce: bool = False, trace=None, fold=None, ring=None,
                 ring_async: bool = False, warps: int = 4, l2_ahead: int = 0, fold_store: int = 0,
                 fold_async: bool = False, fold_ahead: int = 0, fold_smem: bool = False, fold_parts: int = 3,
-                fold_late: bool = False):
+                fold_late: bool = False, fold_w: bool = False):
     """(grid, args, meta, result) of one launch on checked-by-the-caller inputs (``ablate``: `ABLATIONS` bits, parts
     of the work left out, for timing only: the outputs are wrong; ``pad``: that many 4 KiB of shared memory held;
     ``fold_store``: how a fold writes its tiles, `FOLD_STORES`; ``fold_async``: its tokens' keys and updates by cp.async
     with the tree's rows, needs ``prefetch``; ``fold_ahead``: a fold's update of the next chunk issued before this
     tile's products, 2: across value tiles too; ``fold_smem``: the updates' bf16 parts made once, in shared memory,
     needs ``fold_async``; ``fold_parts`` 2: the third part left out, to see what it costs; ``fold_late``: the fold's
-    keys in the second cp.async group and its per-token loads issued before the tree's, with ``fold_async``)."""
+    keys in the second cp.async group and its per-token loads issued before the tree's, with ``fold_async``;
+    ``fold_w``: the fold's weights and decay given (``fold[1].w``, ``.decay``: a ring's write round of several rounds'
+    paths, `ring_tables`) instead of worked out from one path's log-decays)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if tree.max_tree_size > B_T:
@@ -831,6 +847,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
         raise ValueError("ring_async: a ring read round with prefetch")
     if fold_async and not (fold is not None and prefetch):
         raise ValueError("fold_async: a fold with prefetch")
+    if fold_w and fold is None:
+        raise ValueError("fold_w: with a fold")
     if (fold_smem or fold_late) and not fold_async:
         raise ValueError("fold_smem, fold_late: with fold_async")
     if warps != 4 and (fold is not None or ring is not None or rows or tma_stages):
@@ -842,7 +860,8 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
             *((fold[0], fold[1].u, fold[1].k, fold[1].k_scale, fold[1].log_decay) if fold is not None
               else (ring.rows, ring.u, ring.k, res.k_scale, res.log_decay) if ring is not None
               else (res.committed, res.u, res.k, res.k_scale, res.log_decay)),
-            *((ring.w, ring.decay) if ring is not None else (res.log_decay, res.log_decay)),
+            *((ring.w, ring.decay) if ring is not None else (fold[1].w, fold[1].decay) if fold_w
+              else (res.log_decay, res.log_decay)),
             scale, hv, hk, hv * tree.num_requests, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1], ss[0], ss[1], ss[2])
     meta = dict(D_K=dk, D_V=dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, ALIAS_R=alias_r, ROWS=rows,
                 TMA_STAGES=tma_stages, S32_SHARED=s32, ABLATE=ablate, PAD=pad, PREFETCH=prefetch, COALESCE=coalesce, TRACE=trace is not None,
@@ -857,7 +876,7 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, scale=None, b_k: i
                 L2_AHEAD=l2_ahead, LD_L2=gl.BlockedLayout([1, 1], [8, 4], [warps, 1], [1, 0]),
                 FOLD_STORE=fold_store, LD_SC=_blocked(b_v, b_k, 4, warps), FOLD_ASYNC=fold is not None and fold_async,
                 FOLD_AHEAD=fold is not None and fold_ahead, FOLD_SMEM=fold is not None and fold_smem,
-                FOLD_PARTS=fold_parts, FOLD_LATE=fold is not None and fold_late,
+                FOLD_PARTS=fold_parts, FOLD_LATE=fold is not None and fold_late, FOLD_W=fold_w,
                 UPT_SHARED=gl.NVMMASharedLayout.get_default_for([b_v, b_p], gl.bfloat16),
                 **layouts(q.dtype, b_k, b_v, num_warps=warps, rows=rows, fold=fold is not None),
                 num_warps=warps)
@@ -869,12 +888,12 @@ def gluon_verify(q, k, v, g, beta, state, state_indices, tree, scale=None, valid
                  tma_stages: int = 0, ablate: int = 0, pad: int = 0, prefetch: bool = False, coalesce: bool = False,
                  trace=None, fold=None, ring=None, ring_async: bool = False, warps: int = 4, l2_ahead: int = 0,
                  fold_store: int = 0, fold_async: bool = False, fold_ahead: int = 0, fold_smem: bool = False,
-                 fold_parts: int = 3, fold_late: bool = False, out=None):
+                 fold_parts: int = 3, fold_late: bool = False, fold_w: bool = False, out=None):
     """`tree_verify`'s outputs from the Gluon kernel (the lab's: no checks beyond the tree size)."""
     grid, args, meta, res = launch_args(q, k, v, g, beta, state, state_indices, tree, scale, b_k, b_v, out, alias_r,
                                         rows, tma_stages, ablate, pad, prefetch, coalesce, trace, fold, ring,
                                         ring_async, warps, l2_ahead, fold_store, fold_async, fold_ahead,
-                                        fold_smem, fold_parts, fold_late)
+                                        fold_smem, fold_parts, fold_late, fold_w)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     res.kernel = gluon_resident_kernel[grid](*args, **meta)
@@ -1276,7 +1295,8 @@ def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, ro
 
 # `gluon_verify`'s launch options, as a sweep's entries name them
 LAUNCH_OPTIONS = ("b_k", "b_v", "maxnreg", "alias_r", "rows", "tma_stages", "prefetch", "coalesce", "ring_async",
-                  "warps", "l2_ahead", "fold_store", "fold_async", "fold_ahead", "fold_smem", "fold_parts", "fold_late")
+                  "warps", "l2_ahead", "fold_store", "fold_async", "fold_ahead", "fold_smem", "fold_parts", "fold_late",
+                  "fold_w")
 
 
 def print_fold(out: dict) -> None:
@@ -1414,6 +1434,110 @@ def ring_tokens(batch: int, heads: HeadShape, width: int, device, seed: int = 7,
                            w=w.contiguous().to(device), decay=decay.to(device))
 
 
+def ring_tables(ring, state_indices: torch.Tensor, arena):
+    """The lab kernel's token table from a shipped `PendingRing` and one layer's `RingResults` ``arena``, in request
+    order (``state_indices`` the round's slots): ``rows`` (arena rows, -1 none), the arena's raw keys ``k``, updates
+    ``u``, ``k_scale`` and ``log_decay`` as flat rows, the weights ``w`` ``[B, width, hv]`` (the ring's
+    ``exp(suffix - logP_j)`` times the key's scale) and decays ``decay`` ``[B, hv]``: what a Gluon read round
+    (``ring=``) and a write round (``fold=(tables.rows, tables), fold_w=True``) take, so both run on real tables."""
+    from types import SimpleNamespace
+
+    slots = state_indices.long()
+    _, _, weight, decay = ring.tokens(slots, arena)  # the shipped ring's weights (without the keys' scales)
+    hv, dv, hk, dk = arena.u.shape[2], arena.u.shape[3], arena.k.shape[2], arena.k.shape[3]
+    rows = ring.rows[slots]
+    scale = arena.k_scale.reshape(-1, hk)[rows.clamp(min=0).long()].repeat_interleave(hv // hk, dim=2)
+    return SimpleNamespace(rows=rows.to(torch.int32).contiguous(), u=arena.u.reshape(-1, hv, dv),
+                           k=arena.k.reshape(-1, hk * dk), k_scale=arena.k_scale.reshape(-1, hk),
+                           log_decay=arena.log_decay.reshape(-1, hv), w=(weight * scale).float().contiguous(),
+                           decay=decay.float().contiguous())
+
+
+def real_ring_rounds(read, write, device, heads: HeadShape = HEADS_9B, batch: int = 4, rounds: int = 3,
+                     num_rounds: int = 8, max_size: int = 64, max_depth: int = 8, seed: int = 5) -> list[dict]:
+    """A `PendingRing` of ``rounds`` rounds run for ``num_rounds`` consecutive rounds on real trees, the Gluon kernels
+    fed from its tables (`ring_tables`): ``read(x, pool, slots, tree, ctx)`` for a read round, ``write(...)`` for a
+    write round (``ctx``: the round's ``tables``, its arena position ``out`` where the launch writes its results, and
+    the shipped ring's ``step`` and ``arena``). Every round is
+    checked against the float64 recurrence run round after round: its outputs, the pool (untouched by a read round,
+    the recurrence's state after a write round); each request accepts none, the root, its deepest or a random node.
+    Returns each round's errors; raises on a wrong round. (`shipped_ring_launch` stands in for both launches on the
+    CPU: it checks the tables and this harness.)"""
+    import random
+    from types import SimpleNamespace
+
+    from bole_tune.kernels import PendingRing
+    from bole_tune.kernels.reference import verify_reference
+    from bole_tune.kernels.verify.self_check import accepted_error
+    from bole_tune.workloads import make_inputs, make_tree, relative_error
+
+    rng = random.Random(seed)
+    ring = PendingRing(4 * batch, rounds, max_depth + 1, capacity=batch * max_size, max_requests=batch, device=device)
+    arena = ring.results(heads, torch.bfloat16)
+    pool = make_inputs(make_tree([1], device=device), heads.hk, heads.hv, heads.dk, heads.dv, torch.float32, device,
+                       num_slots=4 * batch).state
+    truth = pool.clone()
+    slots = torch.tensor(rng.sample(range(4 * batch), batch), dtype=torch.int32, device=device)
+    bound = accepted_error(torch.bfloat16)
+    out = []
+    for index in range(num_rounds):
+        tree = make_tree([rng.randint(max_size // 2, max_size) for _ in range(batch)], "random", max_depth=max_depth,
+                         seed=100 + index, device=device)
+        x = make_inputs(tree, heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, device, seed=200 + index)
+        step = ring.begin(tree)
+        tables = ring_tables(ring, slots, arena)
+        before = pool.clone()
+        ctx = SimpleNamespace(tables=tables, out=arena.at(step.position, tree), step=step, arena=arena, heads=heads)
+        res = (write if step.write else read)(x, pool, slots, tree, ctx)
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
+        row = {"round": index, "kind": "write" if step.write else "read", "tokens": int((tables.rows >= 0).sum()),
+               "error": relative_error(res.o, ref.o)}
+        if step.write:
+            row["pool_error"] = relative_error(pool[slots.long()], truth[slots.long()])
+        else:
+            row["pool_untouched"] = bool(torch.equal(pool, before))
+        out.append(row)
+        print(f"real ring {row}", flush=True)
+        if max(row["error"], row.get("pool_error", 0.0)) > bound or not row.get("pool_untouched", True):
+            raise AssertionError(f"round {index}: {row}")
+        sizes = tree.sizes
+        choices = [rng.choice(["none", "root", "deepest", "any"]) for _ in range(batch)]
+        depths = [tree.node_depth[tree.offsets[r]:tree.offsets[r + 1]].tolist() for r in range(batch)]
+        accepted = torch.tensor([-1 if c == "none" else 0 if c == "root" else
+                                 max(range(sizes[r]), key=depths[r].__getitem__) if c == "deepest" else
+                                 rng.randrange(sizes[r]) for r, c in enumerate(choices)], device=device)
+        truth = ref.committed(truth, slots, tree, accepted).float()
+        ring.end(step, slots, accepted, validate=True)
+    return out
+
+
+def gluon_ring_launches(read_options: dict, write_options: dict):
+    """(read, write) for `real_ring_rounds`: the Gluon ring read round and the Gluon fold of the tables' tokens."""
+    def read(x, pool, slots, tree, ctx):
+        return gluon_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, ring=ctx.tables, out=ctx.out,
+                            **read_options)
+
+    def write(x, pool, slots, tree, ctx):
+        return gluon_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, fold=(ctx.tables.rows, ctx.tables),
+                            fold_w=True, out=ctx.out, **write_options)
+    return read, write
+
+
+def shipped_ring_launch(x, pool, slots, tree, ctx):
+    """`real_ring_rounds`' launch on any device: the shipped `tree_verify` on the ring's step, after checking that
+    the state the round's `ring_tables` give (float64) is the shipped ring's `ring_states` (raises if not)."""
+    from bole_tune.kernels import tree_verify
+    from bole_tune.kernels.verify.ring import ring_states
+    from bole_tune.workloads import relative_error
+
+    if ctx.step.ring.held:
+        mine = ring_state(pool, slots, ctx.tables, ctx.heads)[slots.long()]
+        error = relative_error(mine, ring_states(pool, slots, ctx.step.ring, ctx.arena))
+        if error > 1e-6:
+            raise AssertionError(f"ring_tables: the tables' state is {error:.1e} from the shipped ring's")
+    return tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, ring=ctx.step.layer(ctx.arena))
+
+
 def ring_state(pool, slots, tokens, heads: HeadShape) -> torch.Tensor:
     """The pool a ring read round reads through, in float64: each request's slot ``exp(L) S + sum_j w_j u_j k_j^T``
     (``k_j`` the raw keys), the other slots as they are."""
@@ -1499,10 +1623,23 @@ def main() -> None:
     parser.add_argument("--warps8", action="store_true", help="H200: 8-warp programs (two warpgroups) against 4")
     parser.add_argument("--ring", action="store_true", help="H200: a ring's read and write rounds in Gluon, checked, timed")
     parser.add_argument("--trace", action="store_true", help="H200: each program's phases at B=16, global-timer stamps")
+    parser.add_argument("--real-ring", action="store_true",
+                        help="consecutive rounds of a shipped PendingRing (real tables) checked against float64: on "
+                             "the H200 the Gluon read and write rounds, on the CPU the shipped kernels (the harness)")
     args = parser.parse_args()
     if args.compile:
         print(json.dumps(compile_report(args.b_k, args.b_v, maxnreg=args.maxnreg, alias_r=args.alias_r, rows=args.rows,
                                             tma_stages=args.tma)))
+        return
+    if args.real_ring:
+        if torch.cuda.is_available():
+            read, write = gluon_ring_launches(RING_CONFIGS[1], FOLD_WIDE_CONFIGS[0])
+            rows = real_ring_rounds(read, write, "cuda", batch=(args.batch or [4])[0])
+        else:
+            rows = real_ring_rounds(shipped_ring_launch, shipped_ring_launch, "cpu",
+                                    heads=HeadShape(hk=2, hv=4, dk=32, dv=32), batch=3, num_rounds=7, max_size=12,
+                                    max_depth=4)
+        dump(rows, args.json)
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU here: run --compile, or on the H200")
