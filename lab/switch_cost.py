@@ -136,7 +136,7 @@ def main() -> None:
     alone = {"gemm": time_launches(gemm, len(inputs), bench.device, repeats=args.repeats).p50_us}
     for name, fn in fns.items():
         alone[name] = time_launches(as_launch(fn), len(inputs), bench.device, repeats=args.repeats).p50_us
-    print(f"alone, us: " + ", ".join(f"{k} {v:.1f}" for k, v in alone.items()), flush=True)
+    print("alone, us: " + ", ".join(f"{k} {v:.1f}" for k, v in alone.items()), flush=True)
     rows = []
     for name, fn in fns.items():
         other = "serial_verify" if name == "shipped tree_verify" else "shipped tree_verify"
