@@ -4,8 +4,17 @@ TRITON_INTERPRET must be set before triton is imported, so it is set here, first
 """
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+# The repository keeps the verifier in a top-level kernels/ folder (installed as bole_tune.kernels). With the
+# checkout's root on sys.path, as `python -m pytest` run there puts it, that folder shadows Hugging Face's `kernels`
+# package, which transformers >= 5.25 requires and imports (`from kernels import CUDAProperties, ...`): take the root
+# off before anything imports transformers. The tests import the project as the installed bole_tune.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
+
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
