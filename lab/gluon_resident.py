@@ -1118,20 +1118,36 @@ def fold_run(repeats: int, batch: int = 16) -> dict:
     return out
 
 
+def on_sets(bench, verify):
+    """``launch(i)``: ``verify`` (`tree_verify`'s arguments) on the bench's input set ``i`` and its slots."""
+    tree, pool, inputs, slots = bench.sets(64)
+
+    def launch(i):
+        x = inputs[i]
+        verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
+    return launch
+
+
+def cycle_us(bench, steps, repeats: int, same_set: bool = False) -> float:
+    """``steps`` (``launch(i)`` callables, `on_sets`) run in order as one cycle, cycled through one CUDA graph over
+    the bench's rotating input sets: us a cycle. Each launch takes its own set, or with ``same_set`` every launch of
+    a cycle the cycle's set."""
+    from bole_tune.timing import time_launches
+
+    num_sets = len(bench.sets(64)[2])
+    k = len(steps)
+
+    def launch(i):
+        steps[i % k]((i // k if same_set else i) % num_sets)
+
+    return k * time_launches(launch, k * num_sets, bench.device, repeats=repeats).p50_us
+
+
 def alternating(bench, pair, names, repeats: int) -> dict:
     """``pair[0]`` and ``pair[1]`` alternating, each launch its own input set, in one CUDA graph: us a launch, and the
     mean of the two timed alone (the same way)."""
-    from bole_tune.timing import time_launches
-
-    tree, pool, inputs, slots = bench.sets(64)
-    n = 2 * len(inputs)
-
-    def launch(i):
-        x = inputs[i % len(inputs)]
-        pair[i % 2](x.q, x.k, x.v, x.g, x.beta, pool, slots[i % len(inputs)], tree)
-
     alone = [bench.time_verify(fn, None, repeats=repeats)[0].p50_us for fn in pair]
-    row = dict(names=list(names), alternating_us=time_launches(launch, n, bench.device, repeats=repeats).p50_us,
+    row = dict(names=list(names), alternating_us=cycle_us(bench, [on_sets(bench, fn) for fn in pair], repeats) / 2,
                alone_us=alone, mean_alone_us=sum(alone) / 2)
     print(f"alternating {names[0]} / {names[1]}: {row['alternating_us']:.1f} us a launch, alone "
           f"{alone[0]:.1f} / {alone[1]:.1f}", flush=True)
@@ -1257,12 +1273,11 @@ def print_ring(out: dict) -> None:
 
 
 def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, rounds=(2, 3, 4)) -> list[dict]:
-    """The ring's rounds timed as an engine runs them, not projected: ``R - 1`` read rounds then a write round, cycled
-    through one CUDA graph over the bench's rotating input sets (each launch its own set), per round; the fastest
-    checked read and write of ``width``. The tokens are the timed runs' (every table full: a conservative read)."""
+    """The ring's rounds timed back to back, not projected: ``R - 1`` read rounds then a write round, cycled
+    through one CUDA graph over the bench's rotating input sets (`cycle_us`: each launch its own set), per round; the
+    fastest checked read and write of ``width``. The tokens are the timed runs' (every table full: a conservative
+    read)."""
     import functools
-
-    from bole_tune.timing import time_launches
 
     def best(kind: str):
         done = [r for r in runs if r["width"] == width and r["kind"] == kind and "us" in r]
@@ -1271,21 +1286,14 @@ def ring_sequences(bench, runs: list[dict], width: int, tokens, repeats: int, ro
     read, write = best("read"), best("write")
     if read is None or write is None:
         return []
-    tree, pool, inputs, slots = bench.sets(64)
     options = {kind: {k: v for k, v in r.items() if k in LAUNCH_OPTIONS}
                for kind, r in (("read", read), ("write", write))}
     verify = {"read": functools.partial(gluon_verify, ring=tokens, **options["read"]),
               "write": functools.partial(gluon_verify, fold=(tokens.rows, tokens), **options["write"])}
     out = []
     for r in rounds:
-        n = r * len(inputs)  # every set in every position of the cycle (B=32 has fewer sets than rounds)
-
-        def launch(i, r=r):
-            x = inputs[i % len(inputs)]
-            verify["write" if i % r == r - 1 else "read"](x.q, x.k, x.v, x.g, x.beta, pool, slots[i % len(inputs)],
-                                                          tree)
-
-        us = time_launches(launch, n, bench.device, repeats=repeats).p50_us
+        us = cycle_us(bench, [on_sets(bench, verify["read"])] * (r - 1) + [on_sets(bench, verify["write"])],
+                      repeats) / r
         out.append(dict(width=width, rounds=r, us=us, projected_us=((r - 1) * read["us"] + write["us"]) / r,
                         read=options["read"], write=options["write"]))
         print(f"ring sequence width {width} R={r}: {us:.1f} us a round (projected "

@@ -4,7 +4,7 @@ Every figure in BENCHMARKS.md times a kernel back to back with itself (one CUDA 
 issue 17's convention asks. The twenty-second session found that two different Gluon binaries alternating cost 4-8 us
 a launch more at B=16 than each alone (`gluon_resident.py --fold`'s ``alternating``). In an engine a GDN layer's
 launch follows other layers' kernels, so this asks, at B=16 with 64-node trees (9B heads, bf16): for each verify
-(the shipped `tree_verify`, `serial_verify`, and when Gluon runs here the lab's Gluon verify and its fold), what does
+(the shipped `tree_verify`, `serial_verify`, the lab's Gluon verify and its fold), what does
 one launch cost when it alternates with
 
 - ``gemm``: a GEMM of an output projection's size at the tree's tokens (``[B * 64, 4096] x [4096, 4096]``, bf16),
@@ -26,10 +26,8 @@ import torch
 
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.kernels import serial_verify, tree_verify
-from bole_tune.shapes import HeadShape
-from bole_tune.timing import time_launches
-
-HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
+from gluon_resident import (FOLD_BASE, FOLD_BEST, FOLD_WIDE_CONFIGS, HEADS_9B, RING_CONFIGS, cycle_us, gluon_verify,
+                            on_sets, ring_tokens)
 
 
 def verifies(bench) -> dict:
@@ -37,12 +35,7 @@ def verifies(bench) -> dict:
     shipped = bench.launch()
     out = {"shipped tree_verify": functools.partial(tree_verify, launch=shipped),
            "serial_verify": serial_verify}
-    try:
-        import gluon_resident as gr
-    except Exception as e:  # noqa: BLE001 - the Gluon rows are optional: say why they are missing
-        print(f"no Gluon rows: {type(e).__name__}: {e}", flush=True)
-        return out
-    out["Gluon verify"] = functools.partial(gr.gluon_verify, **gr.FOLD_BASE)
+    out["Gluon verify"] = functools.partial(gluon_verify, **FOLD_BASE)
     # the Gluon fold of each request's deepest path of a previous round (the pool written in place)
     from bole_tune.kernels.verify.pending import pending_path_rows
 
@@ -51,49 +44,21 @@ def verifies(bench) -> dict:
     prev = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots[-1], tree, validate=False)
     rows = pending_path_rows(tree, bench.deepest(tree), torch.arange(tree.num_requests, dtype=torch.int32,
                                                                       device="cuda"))
-    out["Gluon fold"] = functools.partial(gr.gluon_verify, fold=(rows, prev), **gr.FOLD_BEST)
+    out["Gluon fold"] = functools.partial(gluon_verify, fold=(rows, prev), **FOLD_BEST)
     return out
-
-
-def pair_us(bench, first, second, repeats: int) -> float:
-    """``first`` then ``second`` (each ``launch(i)`` callables) alternating in one graph: us per pair."""
-    _, _, inputs, _ = bench.sets(64)
-    n = 2 * len(inputs)
-
-    def launch(i):
-        (first if i % 2 == 0 else second)(i // 2 % len(inputs))
-
-    return 2 * time_launches(launch, n, bench.device, repeats=repeats).p50_us
 
 
 def ring_with_gemm(bench, gemm, gemm_us: float, repeats: int, width: int = 32, r: int = 3) -> dict:
     """The Gluon ring's rounds (``r - 1`` reads then a write, the best read and write options of the twenty-second
     session, every table of ``width`` full) each followed by the GEMM, as in an engine where a layer's projections run
     between its GDN launches: us a round less the GEMM alone, against the rounds timed alone and projected."""
-    import gluon_resident as gr
-
-    tree, pool, inputs, slots = bench.sets(64)
-    tokens = gr.ring_tokens(bench.case.batch, HEADS_9B, width, "cuda")
-    read = functools.partial(gr.gluon_verify, ring=tokens, **gr.RING_CONFIGS[1])
-    write = functools.partial(gr.gluon_verify, fold=(tokens.rows, tokens), **gr.FOLD_WIDE_CONFIGS[0])
-    out = {}
-    for name, fn in (("read", read), ("write", write)):
-        def launch(i, fn=fn):
-            x = inputs[i]
-            fn(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree)
-        out[name] = time_launches(launch, len(inputs), bench.device, repeats=repeats).p50_us
-    n = 2 * r * len(inputs)
-
-    def cycle(i):
-        j = i // 2
-        if i % 2:
-            gemm(j % len(inputs))
-        else:
-            x = inputs[j % len(inputs)]
-            (write if j % r == r - 1 else read)(x.q, x.k, x.v, x.g, x.beta, pool, slots[j % len(inputs)], tree)
-
-    both = 2 * time_launches(cycle, n, bench.device, repeats=repeats).p50_us
-    out.update(width=width, rounds=r, with_gemm_us=both - gemm_us, projected_us=((r - 1) * out["read"] + out["write"]) / r)
+    tokens = ring_tokens(bench.case.batch, HEADS_9B, width, "cuda")
+    read = on_sets(bench, functools.partial(gluon_verify, ring=tokens, **RING_CONFIGS[1]))
+    write = on_sets(bench, functools.partial(gluon_verify, fold=(tokens.rows, tokens), **FOLD_WIDE_CONFIGS[0]))
+    out = {name: cycle_us(bench, [fn], repeats) for name, fn in (("read", read), ("write", write))}
+    round_us = cycle_us(bench, [read, gemm] * (r - 1) + [write, gemm], repeats) / r
+    out.update(width=width, rounds=r, with_gemm_us=round_us - gemm_us,
+               projected_us=((r - 1) * out["read"] + out["write"]) / r)
     print(f"ring width {width} R={r}: read {out['read']:.1f}, write {out['write']:.1f}, projected "
           f"{out['projected_us']:.1f}; each round followed by the GEMM, less the GEMM: {out['with_gemm_us']:.1f} us",
           flush=True)
@@ -111,7 +76,7 @@ def main() -> None:
         sys.exit("no GPU here: run on the H200")
     bench = CaseBench(BenchCase(HEADS_9B, args.batch, 64, torch.bfloat16, 8, label="qwen3.5-9b", kind="random"),
                       "cuda")
-    tree, pool, inputs, slots = bench.sets(64)
+    inputs = bench.sets(64)[2]
     tokens = args.batch * 64
     a = [torch.randn(tokens, 4096, dtype=torch.bfloat16, device="cuda") for _ in inputs]
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
@@ -121,27 +86,21 @@ def main() -> None:
         torch.matmul(a[i], w, out=outs[i])
 
     if args.ring:
-        gemm_us = time_launches(gemm, len(inputs), bench.device, repeats=args.repeats).p50_us
+        gemm_us = cycle_us(bench, [gemm], args.repeats)
         print(f"gemm alone {gemm_us:.1f} us", flush=True)
         ring_with_gemm(bench, gemm, gemm_us, args.repeats)
         return
     fns = verifies(bench)
 
-    def as_launch(fn):
-        def launch(i):
-            x = inputs[i]
-            fn(x.q, x.k, x.v, x.g, x.beta, pool, slots[i], tree, validate=False)
-        return launch
-
-    alone = {"gemm": time_launches(gemm, len(inputs), bench.device, repeats=args.repeats).p50_us}
-    for name, fn in fns.items():
-        alone[name] = time_launches(as_launch(fn), len(inputs), bench.device, repeats=args.repeats).p50_us
+    launches = {name: on_sets(bench, fn) for name, fn in fns.items()}
+    launches["gemm"] = gemm
+    alone = {name: cycle_us(bench, [launch], args.repeats) for name, launch in launches.items()}
     print("alone, us: " + ", ".join(f"{k} {v:.1f}" for k, v in alone.items()), flush=True)
     rows = []
     for name, fn in fns.items():
         other = "serial_verify" if name == "shipped tree_verify" else "shipped tree_verify"
-        for partner, launch in (("gemm", gemm), (other, as_launch(fns[other]))):
-            pair = pair_us(bench, as_launch(fn), launch, args.repeats)
+        for partner in ("gemm", other):
+            pair = cycle_us(bench, [launches[name], launches[partner]], args.repeats, same_set=True)
             extra = pair - alone[name] - alone[partner]
             rows.append(dict(verify=name, partner=partner, pair_us=pair, alone_us=alone[name],
                              partner_alone_us=alone[partner], extra_us=extra))
