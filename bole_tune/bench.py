@@ -85,17 +85,19 @@ class CaseBench:
         self._sets = {}
 
     def launch(self, config: KernelConfig | None = None, variant: str | None = None,
-               tuned_on: str | None = None, fold: bool = False, ring: bool = False) -> Launch:
+               tuned_on: str | None = None, fold: bool = False, ring: bool = False,
+               gluon: bool | None = None) -> Launch:
         """The launch `tree_verify` runs for this case: the planner's, for the full batch (``config=None``:
         the database's; ``tuned_on``: the kernel a given config was tuned on). A resident launch whose
         self-check fails comes back on the fused kernel with ``fallback`` set, as `tree_verify` would run it.
         The reference check, on a smaller batch, runs this same launch: what is checked is what is timed. ``fold``:
-        the folded verify's launch; ``ring``: a `PendingRing` write round's."""
+        the folded verify's launch; ``ring``: a `PendingRing` write round's; ``gluon``: as `Planner.plan` (None: the
+        Gluon verify where the planner runs it; False: the Triton kernels, whose tiles the tuner sweeps)."""
         c = self.case
         tree = self.tree()
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
                             depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device,
-                            config=config, variant=variant, tuned_on=tuned_on, fold=fold, ring=ring)
+                            config=config, variant=variant, tuned_on=tuned_on, fold=fold, ring=ring, gluon=gluon)
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
@@ -344,6 +346,16 @@ class CaseBench:
         timings = {"round_verify_commit": time_launches(verify_commit, len(inputs), self.device, repeats=repeats),
                    "round_folded": self.time_folded(self.launch(fold=True), repeats),
                    **self.time_ring(ring_rounds, layers, repeats)}
+        timings["tree_commit_layers"] = self.time_commit_layers(layers, repeats, launch)
+        timings["round_serial"] = self.time_serial_round(repeats)
+        return timings
+
+    def time_commit_layers(self, layers: int, repeats: int = 50, launch: Launch | None = None) -> Timing:
+        """One `tree_commit_layers` launch for ``layers`` layers (each request's deepest node accepted), per layer
+        (one set: the layers' states already exceed the L2 cache); the results from ``launch`` (default the
+        verify's)."""
+        tree, pool, inputs, slots = self.sets(64)
+        launch, accepted = launch or self.launch(), self.deepest(tree)
         x, h = inputs[0], self.case.shape
         stacked = LayerResults.empty(layers, tree, h, self.case.dtype, self.device)
         states = torch.stack([pool[slots[0].long()]] * layers)  # [L, B, Hv, dv, dk]: each request's own slot
@@ -352,12 +364,8 @@ class CaseBench:
             tree_verify(x.q, x.k, x.v, x.g, x.beta, states[layer], own, tree, launch=launch, out=stacked.layer(layer))
         whole = time_launches(lambda _: (stacked.committed.zero_(), tree_commit_layers(states, own, stacked, tree, accepted)),
                               1, self.device, repeats=repeats)
-        timings["tree_commit_layers"] = Timing(whole.p20_us / layers, whole.p50_us / layers, whole.p80_us / layers,
-                                               method=f"{whole.method}, {layers} layers in one launch, per layer",
-                                               samples=whole.samples)
-        del stacked, states
-        timings["round_serial"] = self.time_serial_round(repeats)
-        return timings
+        return Timing(whole.p20_us / layers, whole.p50_us / layers, whole.p80_us / layers,
+                      method=f"{whole.method}, {layers} layers in one launch, per layer", samples=whole.samples)
 
     def time_serial_round(self, repeats: int = 50) -> Timing:
         """The serial engine's round: `serial_verify` then a copy of one state per request into its slot (what a

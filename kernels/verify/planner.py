@@ -37,6 +37,8 @@ import torch
 from bole_tune.config import KernelConfig, default_config, node_block
 from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
 
+from .gluon import HEAD_DIMS as GLUON_HEAD_DIMS
+from .gluon import gluon_ready
 from .resident import RESIDENT_MAX_NODES
 
 VARIANTS = ("fused", "resident", "stream")
@@ -75,6 +77,7 @@ class LaunchPolicy:
     stack_max_tree: trees of at most this many nodes (at most half the node block) run a "stream" launch on stacked
         rows (``STACK``: q and k of each node in one ``B_T``-row tile, so every product of the launch is one product,
         not two; docs/math.md §3, "Stacked rows"); 0 never.
+    gluon_block: the node block whose resident launches run the Gluon verify on an sm_90 GPU (`gluon`).
     sweep_f16_max_depth, sweep_f16_max_scale: the resident kernel's level sweeps run on fp16 tensor
         cores for 16-bit inputs with L2-normalised keys, trees at most this deep (partial sums stay
         below 2^(depth - 1) = 2048) and q scales at most this large (5-8% faster at T=64).
@@ -92,6 +95,15 @@ class LaunchPolicy:
     stack_max_tree: int = 8
     sweep_f16_max_depth: int = 12
     sweep_f16_max_scale: float = 256.0
+    gluon_block: int = 64
+
+    def gluon(self, variant: str, dtype: torch.dtype, block: int, v_split: int, sweep_f16: bool, fold: bool) -> bool:
+        """Whether a launch runs the Gluon verify (`gluon.py`, where the device takes it): resident launches of one
+        program per head on ``gluon_block``-row trees (33-64 nodes) of bf16 inputs with fp16 sweeps, the verify or a
+        ring's round (a `PendingCommit` fold stays on the Triton kernel). H200, 9B heads, T=64: B=8 / 16 / 32 verify
+        25.6 / 53.0 / 102.9 us against 29.7 / 57.1 / 110.2 (BENCHMARKS.md, "Nineteenth session"); 0 never."""
+        return (variant == "resident" and block == self.gluon_block and v_split == 1 and sweep_f16
+                and dtype == torch.bfloat16 and not fold)
 
     def variant(self, num_requests: int, hv: int, max_tree_size: int) -> str:
         """The kernel for this batch, decided on its buckets (not exact sizes), so a tuned config always
@@ -150,7 +162,9 @@ class Launch:
     variant: "fused", "resident" or "stream" (`VARIANTS`); config: its tiles; node_block: rows solved together
     (``B_T``); v_split: the resident kernel's programs per head (1 for the fused kernel, ``dv / b_v`` for "stream");
     state_split, sweep_f16: the resident kernel's precision switches (False for the fused kernel); stack_qk: a "stream"
-    launch on stacked rows (`LaunchPolicy.stack_max_tree`); fallback: why a resident
+    launch on stacked rows (`LaunchPolicy.stack_max_tree`); gluon: the resident launch runs the Gluon verify
+    (`gluon.py`; sm_90 only, `LaunchPolicy.gluon`), the Triton resident kernel where a round's tensors do not fit it
+    (`gluon.gluon_takes`); fallback: why a resident
     launch was moved to the fused kernel ("" if it was not), with the self-check's error if it failed.
     """
 
@@ -161,12 +175,24 @@ class Launch:
     state_split: bool = False
     sweep_f16: bool = False
     stack_qk: bool = False
+    gluon: bool = False
     fallback: str = ""
     fallback_error: float | None = None
 
     def replace(self, **changes) -> "Launch":
         """A copy with some fields changed: how a benchmark compares switches on the shipped kernels."""
         return dataclasses.replace(self, **changes)
+
+
+_gluon_devices: dict = {}
+
+
+def gluon_device_refusal(device: torch.device) -> str:
+    """`gluon.gluon_ready` of ``device``, asked once per device."""
+    why = _gluon_devices.get(device)
+    if why is None:
+        why = _gluon_devices[device] = gluon_ready(device)
+    return why
 
 
 def _power_of_two(value) -> bool:
@@ -219,13 +245,13 @@ class Planner:
              device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
              tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
              gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False,
-             ring: bool = False) -> Launch:
+             ring: bool = False, gluon: bool | None = None) -> Launch:
         """`_plan`, remembered per arguments: a plan is a pure function of them, the policy, the config source's
         answer (cached there per bucket) and the self-check's (cached per specialisation), so a call seen before
         costs one dictionary access. Forgotten by `clear`, by `forget_plans` (the database layer's
         ``clear_cache``), and when the policy or the config source is replaced."""
         key = (heads, dtype, num_requests, max_tree_size, depth, device, config, variant, v_split, tuned_on, scale,
-               use_qk_l2norm, gate_dtype, check, fold, ring)
+               use_qk_l2norm, gate_dtype, check, fold, ring, gluon)
         try:
             launch = self._remembered().get(key)
         except TypeError:  # an unhashable argument: planned (and refused) without the table
@@ -234,7 +260,7 @@ class Planner:
             launch = self._plan(heads, dtype, num_requests=num_requests, max_tree_size=max_tree_size, depth=depth,
                                 device=device, config=config, variant=variant, v_split=v_split, tuned_on=tuned_on,
                                 scale=scale, use_qk_l2norm=use_qk_l2norm, gate_dtype=gate_dtype, check=check,
-                                fold=fold, ring=ring)
+                                fold=fold, ring=ring, gluon=gluon)
             if key is not None:
                 self._remember(key, launch)
         return launch
@@ -243,7 +269,7 @@ class Planner:
               device, config: KernelConfig | None = None, variant: str | None = None, v_split: int | None = None,
               tuned_on: str | None = None, scale: float | None = None, use_qk_l2norm: bool = True,
               gate_dtype: torch.dtype = torch.float32, check: bool = True, fold: bool = False,
-              ring: bool = False) -> Launch:
+              ring: bool = False, gluon: bool | None = None) -> Launch:
         """The launch for a batch of ``num_requests`` trees (the largest ``max_tree_size`` nodes, the
         deepest ``depth`` edges) of ``heads`` in ``dtype`` on ``device``.
 
@@ -255,7 +281,9 @@ class Planner:
             previous round's commit in (``pending=``): the config source is asked for that launch's own tuned
             config (``fold=True``; a source without that keyword is asked as for the verify). ring: the launch is a
             `PendingRing`'s write round (its R rounds of tokens folded in): asked with ``ring=True`` (a source without
-            that keyword is asked as for the folded verify).
+            that keyword is asked as for the folded verify). gluon: None runs the Gluon verify where the policy and
+            the device take it (`LaunchPolicy.gluon`, `gluon.gluon_ready`); False never (what the tuner times when
+            it sweeps the Triton kernel's tiles); True requires it (a ValueError naming why not).
         """
         device = torch.device(device)
         if variant is not None and variant not in VARIANTS:
@@ -300,10 +328,27 @@ class Planner:
                         state_split=self.policy.state_split(dtype, block),
                         sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale),
                         stack_qk=self.policy.stack(variant, max_tree_size, block))
+        if gluon is not False:
+            why = self.gluon_refusal(launch, heads, dtype, fold, device)
+            if gluon and why:
+                raise ValueError(f"gluon: this launch cannot run the Gluon verify: {why}")
+            launch = launch.replace(gluon=not why)
         if not check:
             return launch
         return self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
                             deep=depth > self.policy.sweep_f16_max_depth)
+
+    def gluon_refusal(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, fold: bool, device) -> str:
+        """"" if ``launch`` may run the Gluon verify, else why not (the policy's conditions, the head dims it was
+        measured on, the device)."""
+        if not self.policy.gluon(launch.variant, dtype, launch.node_block, launch.v_split, launch.sweep_f16, fold):
+            return (f"it runs resident launches of one program per head on {self.policy.gluon_block}-row trees of "
+                    f"bf16 inputs with fp16 sweeps, without a pending fold (got {launch.variant!r}, node block "
+                    f"{launch.node_block}, v_split {launch.v_split}, {dtype}, sweep_f16={launch.sweep_f16}, "
+                    f"fold={fold})")
+        if (heads.dk, heads.dv) != GLUON_HEAD_DIMS:
+            return f"it takes dk, dv = {GLUON_HEAD_DIMS}, got {heads.dk}, {heads.dv}"
+        return gluon_device_refusal(torch.device(device))
 
     def given(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, gate_dtype: torch.dtype, max_tree_size: int,
               depth: int, scale: float, use_qk_l2norm: bool, device) -> Launch:
@@ -317,6 +362,10 @@ class Planner:
         if kept is not None:
             return kept
         self.check_launch(launch, heads, dtype, max_tree_size, depth, scale, use_qk_l2norm)
+        if launch.gluon:
+            why = self.gluon_refusal(launch, heads, dtype, False, device)
+            if why:
+                raise ValueError(f"launch.gluon: this batch cannot run the Gluon verify: {why}")
         checked = self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
                                depth > self.policy.sweep_f16_max_depth)
         if key is not None:
@@ -381,29 +430,49 @@ class Planner:
                 use_qk_l2norm: bool, device: torch.device, deep: bool) -> Launch:
         """``launch``, or the same config on the fused kernel if it is a resident launch whose compiled
         specialisation fails the self-check (checked once per process and specialisation; ``deep``: a
-        batch deeper than the fp16 sweeps allow, checked on a chain). Inside a CUDA graph capture no
+        batch deeper than the fp16 sweeps allow, checked on a chain). A Gluon launch that fails it (or whose
+        kernel does not compile) runs on the Triton resident kernel instead, itself checked. Inside a CUDA graph capture no
         check can run: an unchecked specialisation runs on the fused kernel."""
         if launch.variant == "fused" or device.type != "cuda" or self.self_check is None:
             return launch  # the CPU interpreter runs the kernel's semantics, not a compiled binary
         key = (launch.variant, launch.config, launch.node_block, launch.v_split, launch.state_split, launch.sweep_f16,
-               launch.stack_qk, heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device, deep)
+               launch.stack_qk, launch.gluon, heads, float(scale), dtype, gate_dtype, bool(use_qk_l2norm), device,
+               deep)
         result = self.checks.get(key)
         if result is None:
             if torch.cuda.is_current_stream_capturing():
                 return Launch("fused", launch.config, launch.node_block,
                               fallback="not checked yet, and no check can run inside a CUDA graph capture")
-            result = self.checks[key] = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm,
-                                                        device, deep)
-            error, tolerance = result
-            if not error <= tolerance:
+            if launch.gluon:  # a GPU-only kernel: a compile failure (or a wrong result) runs the Triton kernel
+                try:
+                    result = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device, deep)
+                except Exception as error:  # noqa: BLE001 - whatever stops it, the Triton kernel runs instead
+                    result = (float("inf"), 0.0, f"{type(error).__name__}: {error}")
+                self.checks[key] = result
+                if not result[0] <= result[1]:
+                    why = result[2] if len(result) > 2 else f"relative error {result[0]:.1e} against float64"
+                    warnings.warn(f"bole-tune: the Gluon verify failed its self-check on "
+                                  f"{torch.cuda.get_device_name(device)} ({why}); running the Triton resident "
+                                  "kernel instead", stacklevel=4)
+            else:
+                result = self.checks[key] = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm,
+                                                            device, deep)
+            error, tolerance = result[:2]
+            if not error <= tolerance and not launch.gluon:
                 warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {launch.config} "
                               f"(value split {launch.v_split}) at {launch.node_block}-row trees on "
                               f"{torch.cuda.get_device_name(device)} (relative error {error:.1e} against the float64 "
                               "reference; a Triton miscompile); running the fused kernel for this config instead",
                               stacklevel=4)
-        error, tolerance = result
+        error, tolerance = result[:2]
         if error <= tolerance:
             return launch
+        if launch.gluon:
+            why = result[2] if len(result) > 2 else f"relative error {error:.2e} against the float64 reference"
+            triton_launch = self.checked(launch.replace(gluon=False), heads, dtype, gate_dtype, scale, use_qk_l2norm,
+                                         device, deep)
+            return triton_launch.replace(fallback=triton_launch.fallback or f"the Gluon verify's self-check: {why}; "
+                                                                             "runs on the Triton resident kernel")
         return Launch("fused", launch.config, launch.node_block, fallback_error=error,
                       fallback=f"the resident kernel's self-check: relative error {error:.2e} against the float64 "
                                "reference (a Triton miscompile); runs on the fused kernel")

@@ -1,4 +1,5 @@
-"""Launch one planned verification (`planner.Launch`) on the fused or the resident kernel."""
+"""Launch one planned verification (`planner.Launch`) on the fused or the resident kernel (the Gluon verify,
+`gluon.py`, for a launch marked ``gluon`` whose tensors it takes)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from bole_tune.tree import TreeBatch
 from ..common import dot_precision, gram_dtype
 from ..launcher import FastLauncher
 from .fused import tree_verify_fused_kernel
+from .gluon import gluon_launch, gluon_takes
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
 
@@ -95,6 +97,9 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         k, sk = _last_contiguous(k)
     if sv[2] != 1:
         v, sv = _last_contiguous(v)
+    if launch.gluon and gluon_takes(launch, state, shape, ring, pending):
+        gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring)
+        return res
     block_depth, max_blocks = tree.block_depths(launch.node_block)
     resident = launch.variant != "fused"
     if resident:

@@ -1,0 +1,590 @@
+"""The resident verify written in Gluon, for the H200 (sm_90): trees of 33-64 nodes, 16-bit inputs.
+
+A GPU-only path (`gluon_ready`). The portable Triton resident kernel (`resident.py`) stays what CI proves under
+``TRITON_INTERPRET=1`` and what every other launch runs; this one is checked against the float64 reference on the
+GPU (tests/test_gluon_verify.py) and by the planner's self-check before its first use in a process (a failure runs the
+Triton resident kernel instead). The work is the same closed form (docs/math.md §2-§4), one 4-warp program per
+(value head, request); what differs is where operands live, which Triton's ``tl.dot`` decides and Gluon lets the
+kernel say (docs/math.md, "The Gluon verify"):
+
+- every q, k and v row of the tree is requested at once by cp.async into shared memory (rows past the tree
+  zero-filled); q and k feed every wgmma from there: ``Q K^T``, ``K K^T``, and ``Q S^T``, ``K S^T`` per state tile;
+- the factors: ``X = (I + G)^-1`` by level sweeps on fp16 wgmma, ``W = X D_beta`` and ``M = C X D_beta`` stored
+  to shared memory as fp16 (the readout's A operands), out of the registers through the state stream;
+- ``S_pre`` streamed one ``[B_V, B_K]`` fp32 tile at a time (the next tile's load issued before the current tile's
+  products), split into two bf16 parts in shared memory;
+- per value tile ``R' = V - a_k (K S^T)`` scaled by its largest magnitude into fp16, ``U = W R'`` and
+  ``O = a_q (Q S^T) + M R'``; u and o stored through row-contiguous layouts (``COALESCE``).
+
+Three modes (``MODE``):
+
+- 0, the verify;
+- 1, a `PendingRing` read round: the slot read through its pending tokens, ``S' x = exp(L) S x +
+  sum_j w_j (k_j . x) u_j``; the corrections ``D = [Q; K] K_p^T diag(w)`` on wgmma, scaled into fp16, open each value
+  tile's accumulation with the tokens' updates (brought by cp.async, scaled into fp16); nothing is written to the pool;
+- 2, a ring's write round: each state tile folded, ``S' = exp(L) S + sum_j (w_j u_j) k_j^T`` (the weighted updates
+  in three bf16 parts whose products with the 16-bit keys are exact; the next key chunk's update issued before this
+  tile's products), written back in place by TMA, then verified.
+
+In modes 1 and 2 the ring's weights ``w_j = exp(L - L_j) r_k,j`` and decay ``exp(L)`` are worked out in the kernel
+from the slot's table (`ring_weights`), as the Triton kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_IMPORT_ERROR = ""
+except ImportError as error:  # another Triton: the Triton kernels run
+    gluon = None
+    GLUON_IMPORT_ERROR = f"Gluon is not importable from this Triton ({error})"
+
+from ..common import LOG_DECAY_FLOOR
+
+B_T = 64
+"""Rows a program solves: trees of at most 64 nodes (the planner sends it trees of 33-64)."""
+B_K, B_V = 32, 64
+"""The tiles (H200, 9B heads, B=8 / 16 / 32 T=64: 25.6 / 53.0 / 102.9 us against 29.7 / 57.1 / 110.2 for the Triton
+resident kernel; 32/32 and 64/32 were slower at B=8-16)."""
+HEAD_DIMS = (128, 128)
+"""``(dk, dv)`` this path was measured and checked on (Qwen3.5 / Qwen3-Next GDN heads)."""
+MAX_RING_WIDTH = 32
+"""The widest `PendingRing` table the Gluon read and write rounds take (R = 3 rounds of 9-node paths). A write round
+at width 32 holds 110,592 B of shared memory, two programs an SM; wider tables run the Triton kernels."""
+MODES = {"verify": 0, "read": 1, "write": 2}
+
+
+def gluon_ready(device) -> str:
+    """"" when the Gluon path can run on ``device``, else why not (no Gluon, not a CUDA device, not sm_90: the
+    kernel's wgmma and TMA are Hopper's)."""
+    if gluon is None:
+        return GLUON_IMPORT_ERROR
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"not a CUDA device ({device})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; the Gluon verify is written for sm_90"
+    return ""
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def gluon_verify_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
+        offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
+        o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc,
+        ring_rows_ptr, ring_last_ptr, ring_u_ptr, ring_k_ptr, ring_k_scale_ptr, ring_logp_ptr,
+        scale, H_V, H_K,
+        stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+        stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
+        stride_s_slot, stride_s_h, stride_s_v,
+        D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
+        G_FLOOR: gl.constexpr, MODE: gl.constexpr, B_P: gl.constexpr, COALESCE: gl.constexpr,
+        ALIAS_R: gl.constexpr,
+        MMA: gl.constexpr, MMA_V: gl.constexpr, MMA_P: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
+        LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr, LD_P: gl.constexpr, LD_UP: gl.constexpr,
+        LD_KP: gl.constexpr, LD_W: gl.constexpr,
+        QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
+        S32_SHARED: gl.constexpr, V_SHARED: gl.constexpr, KP_SHARED: gl.constexpr, DP_SHARED: gl.constexpr,
+        UP_SHARED: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        RING: gl.constexpr = MODE == 1
+        FOLD: gl.constexpr = MODE == 2
+        NK: gl.constexpr = D_K // B_K
+        NV: gl.constexpr = D_V // B_V
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        ROW_V: gl.constexpr = gl.SliceLayout(1, MMA_V)
+        COL_V: gl.constexpr = gl.SliceLayout(0, MMA_V)
+
+        i_h = gl.program_id(0).to(gl.int64)
+        i_r = gl.program_id(1).to(gl.int64)
+        group = H_V // H_K
+        i_hk = i_h // group
+        bos = gl.load(offsets_ptr + i_r).to(gl.int64)
+        num_nodes = gl.load(offsets_ptr + i_r + 1).to(gl.int64) - bos
+        slot = gl.load(state_indices_ptr + i_r).to(gl.int64)
+        gl.store(committed_ptr + i_r, 0, mask=i_h == 0)
+        write_keys = (i_h % group) == 0
+
+        # the first state tile is requested before anything else: its latency hides behind the factors
+        p_state = state_ptr + slot * stride_s_slot + i_h * stride_s_h
+        o_sv = gl.arange(0, B_V, layout=gl.SliceLayout(1, LD_S))
+        o_sk = gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_S))
+        s_offsets = o_sv[:, None] * stride_s_v + o_sk[None, :]
+        s_row = ((slot * H_V + i_h) * D_V).to(gl.int32)  # the head's first row of the pool's TMA view ([-1, D_K])
+        b_s = gl.load(p_state + s_offsets, eviction_policy="evict_first")
+
+        # every q, k and v row of the tree requested at once (cp.async; rows past the tree zero-filled): one memory
+        # latency for all of them, the v tiles arriving while the factors and the state stream run
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
+        k_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [NK, B_T, B_K], QK_SHARED)
+        o_t = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD))
+        m_t = o_t < num_nodes
+        p_q = q_ptr + bos * stride_q_n + i_hk * stride_q_h
+        p_k = k_ptr + bos * stride_k_n + i_hk * stride_k_h
+        p_kout = k_out_ptr + bos * (H_K * D_K) + i_hk * D_K
+        p_v = v_ptr + bos * stride_v_n + i_h * stride_v_h
+        for c in gl.static_range(NK):
+            o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+            async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + o_t[:, None] * stride_q_n + o_k[None, :],
+                                                   mask=m_t[:, None])
+            async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
+                                                   mask=m_t[:, None])
+        if RING or FOLD:
+            # the slot's pending tokens' raw keys join the first group (the B operand of their products)
+            p_table = ring_rows_ptr + slot * B_P
+            rows_p, m_p = table_rows(p_table, B_P, gl.SliceLayout(1, LD_KP))
+            kp_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [NK, B_P, B_K], KP_SHARED)
+            for c in gl.static_range(NK):
+                o_kp = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD_KP))
+                async_copy.async_copy_global_to_shared(
+                    kp_smem.index(c), ring_k_ptr + i_hk * D_K + rows_p[:, None] * (H_K * D_K) + o_kp[None, :],
+                    mask=m_p[:, None])
+        async_copy.commit_group()
+        v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [NV, B_T, B_V], V_SHARED)
+        o_tv = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_V))
+        for t in gl.static_range(NV):
+            o_vl = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_V))
+            async_copy.async_copy_global_to_shared(v_smem.index(t), p_v + o_tv[:, None] * stride_v_n + o_vl[None, :],
+                                                   mask=(o_tv < num_nodes)[:, None])
+        if RING or FOLD:
+            # and their fp32 updates, every value tile: the second group
+            u32_smem = gl.allocate_shared_memory(gl.float32, [NV, B_P, B_V], V_SHARED)
+            rows_u, m_u = table_rows(p_table, B_P, gl.SliceLayout(1, LD_UP))
+            for t in gl.static_range(NV):
+                o_vu = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_UP))
+                async_copy.async_copy_global_to_shared(
+                    u32_smem.index(t), ring_u_ptr + rows_u[:, None] * (H_V * D_V) + i_h * D_V + o_vu[None, :],
+                    mask=m_u[:, None])
+        async_copy.commit_group()
+
+        # the tree's rows (i) and columns (j)
+        o_i = gl.arange(0, B_T, layout=ROW)
+        o_j = gl.arange(0, B_T, layout=COL)
+        m_i = o_i < num_nodes
+        m_j = o_j < num_nodes
+        enter_i = gl.load(dfs_enter_ptr + bos + o_i, mask=m_i, other=-1)
+        enter_j = gl.load(dfs_enter_ptr + bos + o_j, mask=m_j, other=-1)
+        exit_j = gl.load(dfs_exit_ptr + bos + o_j, mask=m_j, other=-2)
+        beta_i = gl.load(beta_ptr + (bos + o_i) * stride_beta_n + i_h * stride_beta_h, mask=m_i, other=0).to(gl.float32)
+        beta_j = gl.load(beta_ptr + (bos + o_j) * stride_beta_n + i_h * stride_beta_h, mask=m_j, other=0).to(gl.float32)
+        g_j = gl.maximum(gl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(gl.float32),
+                         G_FLOOR)
+        if FOLD:
+            weight_pc, fold_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
+                                                 i_h, i_hk, H_V, H_K, B_P, LD_W)
+            weight_pc = gl.convert_layout(weight_pc, gl.SliceLayout(0, LD_P))
+        if RING:
+            ring_w, ring_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
+                                              i_h, i_hk, H_V, H_K, B_P, LD_W)
+            ring_w = gl.convert_layout(ring_w, gl.SliceLayout(0, MMA_P))
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        ssq_q = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
+        ssq_k = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
+        for c in gl.static_range(NK):
+            o_k = c * B_K + gl.arange(0, B_K, layout=gl.SliceLayout(0, LD))
+            b_q = q_smem.index(c).load(LD)
+            b_k = k_smem.index(c).load(LD)
+            ssq_q += gl.sum(b_q.to(gl.float32) * b_q.to(gl.float32), axis=1)
+            ssq_k += gl.sum(b_k.to(gl.float32) * b_k.to(gl.float32), axis=1)
+            gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # Gram products on wgmma, from shared memory
+        b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+        b_kk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+        for c in gl.static_range(NK):
+            b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
+            b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
+        r_q_i = scale / gl.sqrt(gl.convert_layout(ssq_q, ROW) + 1e-6)
+        r_k_i = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, ROW) + 1e-6)
+        r_k_j = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, COL) + 1e-6)
+        m_anc = (enter_j[None, :] <= enter_i[:, None]) & (enter_i[:, None] <= exit_j[None, :])
+        logp_i = gl.sum(gl.where(m_anc, g_j[None, :], 0.0), axis=1)
+        logp_j = gl.convert_layout(logp_i, COL)
+        decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
+        b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
+        if RING:
+            # D_q = Q K_p^T diag(w), D_k = K K_p^T diag(w) (raw q and k: a_q, a_k scale the rows later), scaled by
+            # their largest magnitude into fp16 in shared memory: the A operands of the corrections D U_p
+            b_dq = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
+            b_dk = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
+            for c in gl.static_range(NK):
+                b_dq = warpgroup_mma(q_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dq, is_async=True)
+                b_dk = warpgroup_mma(k_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dk, is_async=True)
+            b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))
+            b_dq = b_dq * ring_w[None, :]
+            b_dk = b_dk * ring_w[None, :]
+            # one scale for both: the corrections open the state products' accumulation chain
+            ds = gl.maximum(gl.max(gl.max(gl.abs(b_dq), axis=1), axis=0), gl.max(gl.max(gl.abs(b_dk), axis=1), axis=0))
+            ds = gl.where(ds > 0.0, ds, 1.0)
+            dq_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
+            dk_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_P], DP_SHARED)
+            dq_smem.store((b_dq / ds).to(gl.float16))
+            dk_smem.store((b_dk / ds).to(gl.float16))
+
+        # the factors, into shared memory as fp16 wgmma operands (W and M)
+        w_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+        m_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+        x_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_T], X_SHARED)
+        zeros_t = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
+        solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j, decay,
+                      block_depth_ptr + i_r, zeros_t)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        if RING:
+            # the tokens' updates scaled by their largest magnitude into fp16, every value tile: the B operands of
+            # D U_p, which open each tile's accumulation; the state tiles are scaled by exp(L) / (ds us) as they are
+            # split, and the tile's products by ds us after it
+            us = 0.0
+            for t in gl.static_range(NV):
+                us = gl.maximum(us, gl.max(gl.max(gl.abs(u32_smem.index(t).load(LD_UP)), axis=1), axis=0))
+            us = gl.where(us > 0.0, us, 1.0)
+            up16_smem = gl.allocate_shared_memory(gl.float16, [NV, B_P, B_V], UP_SHARED)
+            for t in gl.static_range(NV):
+                up16_smem.index(t).store((u32_smem.index(t).load(LD_UP) / us).to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            ring_c = ds * us
+            ring_f = ring_decay / ring_c
+        b_decay = gl.exp(logp_i)
+        gl.store(logp_ptr + (bos + o_i) * H_V + i_h, logp_i, mask=m_i)
+        gl.store(k_scale_ptr + (bos + o_i) * H_K + i_hk, r_k_i, mask=m_i & write_keys)
+        a_q = gl.convert_layout(b_decay * r_q_i, ROW_V)
+        a_k = gl.convert_layout(b_decay * r_k_i, ROW_V)
+
+        # the state stream: per value tile Q S^T and K S^T on the two bf16 parts of S, then the readout
+        s_smem = gl.allocate_shared_memory(gl.bfloat16, [2, B_V, B_K], S_SHARED)
+        if ALIAS_R:  # R' takes the state parts' bytes (written after the tile's products, read before the next tile's)
+            gl.static_assert(2 * B_V * B_K == B_T * B_V, "ALIAS_R: the state parts and R' must be the same size")
+            r_smem = s_smem._reinterpret(gl.float16, [B_T, B_V], R_SHARED)
+        else:
+            r_smem = gl.allocate_shared_memory(gl.float16, [B_T, B_V], R_SHARED)
+        o_iv = gl.arange(0, B_T, layout=ROW_V)
+        p_u = u_ptr + bos * (H_V * D_V) + i_h * D_V
+        p_o = o_ptr + bos * (H_V * D_V) + i_h * D_V
+        m_iv = o_iv < num_nodes
+        zeros_v = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
+        zeros_o = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
+        if FOLD:
+            # the folded tiles leave by TMA from one staging buffer in the bytes of X (free once the factors are solved)
+            gl.static_assert(B_V * B_K == B_T * B_T // 2, "a state tile the size of X")
+            s_out = x_smem._reinterpret(gl.float32, [B_V, B_K], S32_SHARED)
+        A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
+        for t in gl.static_range(NV):
+            b_qs = zeros_o
+            b_ks = zeros_o
+            if RING:
+                b_qs = warpgroup_mma(dq_smem, up16_smem.index(t), zeros_o, use_acc=False, is_async=True)
+                b_ks = warpgroup_mma(dk_smem, up16_smem.index(t), zeros_o, use_acc=False, is_async=True)
+            if FOLD:
+                # the tokens' weighted updates w_j u_j of this value tile, [B_V, B_P], in three bf16 parts that sum
+                # to them: with 16-bit keys each part's products are exact
+                up_hi, up_mid, up_lo = fold_operands(u32_smem.index(t).permute((1, 0)).load(LD_P), weight_pc, A_FOLD)
+            for c in gl.static_range(NK):
+                n = t * NK + c
+                # the next tile's load, issued before this tile's products (the last one wraps to the first: unused)
+                t_next = ((n + 1) % (NV * NK)) // NK
+                c_next = (n + 1) % NK
+                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                   eviction_policy="evict_first")
+                if FOLD:
+                    # S' = exp(L) S + sum_j (w_j u_j) k_j^T on this tile (LD_S is the wgmma accumulator layout here):
+                    # the update does not depend on S, so the next chunk's is issued before this tile's products
+                    if c == 0:
+                        d_cur = fold_update(up_hi, up_mid, up_lo, kp_smem.index(0), zeros_v)
+                    else:
+                        d_cur = d_next
+                    d_cur = warpgroup_mma_wait(num_outstanding=0, deps=(d_cur,))
+                    if c + 1 < NK:
+                        d_next = fold_update(up_hi, up_mid, up_lo, kp_smem.index(c + 1), zeros_v)
+                    b_s = b_s * fold_decay + d_cur
+                    # written back in place by TMA (the staging buffer's previous tile stored first)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    s_out.store(b_s)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma.async_copy_shared_to_global(s_desc, [s_row + t * B_V, c * B_K], s_out)
+                if RING:
+                    b_s = b_s * ring_f
+                b_hi = b_s.to(gl.bfloat16)
+                b_lo = (b_s - b_hi.to(gl.float32)).to(gl.bfloat16)
+                gl.thread_barrier()
+                s_smem.index(0).store(b_hi)
+                s_smem.index(1).store(b_lo)
+                fence_async_shared()
+                gl.thread_barrier()
+                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(0).permute((1, 0)), b_qs, is_async=True)
+                b_qs = warpgroup_mma(q_smem.index(c), s_smem.index(1).permute((1, 0)), b_qs, is_async=True)
+                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
+                b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
+                b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
+                b_s = b_s_next
+            if RING:
+                b_qs = b_qs * ring_c
+                b_ks = b_ks * ring_c
+            # the readout of this value tile
+            o_vv = t * B_V + gl.arange(0, B_V, layout=COL_V)
+            b_v = v_smem.index(t).load(MMA_V).to(gl.float32)
+            b_r = b_v - a_k[:, None] * b_ks
+            r_max = gl.max(gl.max(gl.abs(b_r), axis=1), axis=0)
+            r_scale = gl.where(r_max > 0.0, r_max, 1.0)
+            gl.thread_barrier()
+            r_smem.store((b_r / r_scale).to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            b_u = warpgroup_mma(w_smem, r_smem, zeros_o, use_acc=False, is_async=True)
+            b_o = warpgroup_mma(m_smem, r_smem, zeros_o, use_acc=False, is_async=True)
+            b_u, b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_u, b_o))
+            b_u = b_u * r_scale
+            b_o = b_o * r_scale + a_q[:, None] * b_qs
+            if COALESCE:
+                # through row-contiguous layouts: 16-byte stores, whole rows a warp
+                o_iu = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_U))
+                o_vu2 = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_U))
+                gl.store(p_u + o_iu[:, None] * (H_V * D_V) + o_vu2[None, :], gl.convert_layout(b_u, LD_U),
+                         mask=(o_iu < num_nodes)[:, None])
+                o_io = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_O))
+                o_vo = t * B_V + gl.arange(0, B_V, layout=gl.SliceLayout(0, LD_O))
+                gl.store(p_o + o_io[:, None] * (H_V * D_V) + o_vo[None, :],
+                         gl.convert_layout(b_o.to(o_ptr.dtype.element_ty), LD_O), mask=(o_io < num_nodes)[:, None])
+            else:
+                out_offsets = o_iv[:, None] * (H_V * D_V) + o_vv[None, :]
+                gl.store(p_u + out_offsets, b_u, mask=m_iv[:, None])
+                gl.store(p_o + out_offsets, b_o.to(o_ptr.dtype.element_ty), mask=m_iv[:, None])
+        if FOLD:
+            tma.store_wait(0)
+
+    @gluon.jit
+    def table_rows(p_table, B_P: gl.constexpr, LAYOUT: gl.constexpr):
+        """A token table's ``B_P`` entries at ``p_table`` as rows (int64; an entry of -1, none, as row 0) and which
+        are real."""
+        rows = gl.load(p_table + gl.arange(0, B_P, layout=LAYOUT)).to(gl.int64)
+        real = rows >= 0
+        return gl.where(real, rows, 0), real
+
+    @gluon.jit
+    def ring_weights(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
+                     LD_W: gl.constexpr):
+        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]``, 0 past its tokens; in
+        ``SliceLayout(0, LD_W)``) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds"): with ``t``
+        the accepted nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i -
+        logP_j`` and ``L = sum_i t_i``. The suffix sums as a masked ``[B_P, B_P]`` reduction."""
+        ROW_W: gl.constexpr = gl.SliceLayout(1, LD_W)
+        COL_W: gl.constexpr = gl.SliceLayout(0, LD_W)
+        rows_i, m_i = table_rows(p_rows, B_P, ROW_W)
+        o_i = gl.arange(0, B_P, layout=ROW_W)
+        last_i = gl.load(p_last + o_i)
+        logp_i = gl.load(logp_ptr + rows_i * H_V + i_h, mask=m_i, other=0.0)
+        ends = gl.where(m_i & (last_i != 0), logp_i, 0.0)
+        rows_j, m_j = table_rows(p_rows, B_P, COL_W)
+        o_j = gl.arange(0, B_P, layout=COL_W)
+        logp_j = gl.load(logp_ptr + rows_j * H_V + i_h, mask=m_j, other=0.0)
+        scale_j = gl.load(k_scale_ptr + rows_j * H_K + i_hk, mask=m_j, other=0.0)
+        suffix = gl.sum(gl.where(o_i[:, None] >= o_j[None, :], ends[:, None], 0.0), axis=0)
+        weight = gl.where(m_j, gl.exp(suffix - logp_j) * scale_j, 0.0)
+        return weight, gl.exp(gl.sum(ends, axis=0))
+
+    @gluon.jit
+    def bf16_parts(x):
+        """fp32 ``x`` as three bf16 parts that sum to it (8 + 8 + 8 significant bits)."""
+        hi = x.to(gl.bfloat16)
+        rest = x - hi.to(gl.float32)
+        mid = rest.to(gl.bfloat16)
+        return hi, mid, (rest - mid.to(gl.float32)).to(gl.bfloat16)
+
+    @gluon.jit
+    def fold_operands(b_up, weight, A_FOLD: gl.constexpr):
+        """A value tile's updates ``u_j`` (``b_up`` ``[B_V, B_P]`` fp32) weighted by ``w_j`` (``weight``), as their
+        three bf16 parts in the fold's A-operand layout."""
+        hi, mid, lo = bf16_parts(b_up * weight[None, :])
+        return gl.convert_layout(hi, A_FOLD), gl.convert_layout(mid, A_FOLD), gl.convert_layout(lo, A_FOLD)
+
+    @gluon.jit
+    def fold_update(up_hi, up_mid, up_lo, kp, zeros):
+        """A fold's update of one state tile, ``(w u)^T K_p`` from the weighted updates' three bf16 parts and the
+        tokens' keys ``kp`` (shared memory), issued and not waited for."""
+        d = warpgroup_mma(up_hi, kp, zeros, use_acc=False, is_async=True)
+        d = warpgroup_mma(up_mid, kp, d, is_async=True)
+        return warpgroup_mma(up_lo, kp, d, is_async=True)
+
+    @gluon.jit
+    def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j,
+                      decay, p_depth, zeros_t):
+        """A head's factors into shared memory as fp16 wgmma operands: ``G`` (negated) and ``C`` first, then
+        ``X = (I + G)^-1 = I + Y`` by level sweeps ``Y <- -G (I + Y)`` (fp16 operands, fp32 accumulation; ``G`` links
+        a node to its proper ancestors only), leaving ``W = X D_beta`` in ``w_smem`` and ``M = C X D_beta`` in
+        ``m_smem`` (``x_smem`` the sweeps' scratch). As many sweeps as the tree's block depth at ``p_depth``."""
+        w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
+                              -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
+        m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
+        b_y = zeros_t
+        for _ in range(gl.load(p_depth)):
+            gl.thread_barrier()
+            x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
+        gl.thread_barrier()
+        b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
+        x_smem.store(b_x.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
+        gl.thread_barrier()
+        w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
+        m_smem.store(b_m.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int = 4) -> "gl.BlockedLayout":
+        """A coalesced layout for ``[rows, cols]`` accesses: 16 bytes a thread along the row."""
+        vec = max(1, 16 // elem_bytes)
+        tpw_c = max(1, min(32, cols // vec))
+        return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
+
+    def layouts(dtype: torch.dtype, mode: int, b_p: int) -> dict:
+        """The kernel's layout constants for 16-bit inputs of ``dtype``, in ``mode``, with ring tables ``b_p`` wide."""
+        g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        nvmma = gl.NVMMASharedLayout.get_default_for
+        mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, B_T, 16])
+        return dict(
+            MMA=mma,
+            MMA_V=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, B_V, 16]),
+            MMA_P=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, b_p, 16]),
+            LD=_blocked(B_T, B_K, 2),
+            # a fold's state tiles are its wgmma's accumulators
+            LD_S=(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, B_K, 16])
+                  if mode == MODES["write"] else _blocked(B_V, B_K, 4)),
+            LD_V=_blocked(B_T, B_V, 2), LD_U=_blocked(B_T, B_V, 4), LD_O=_blocked(B_T, B_V, 2),
+            LD_P=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
+            LD_UP=_blocked(b_p, B_V, 4), LD_KP=_blocked(b_p, B_K, 2),
+            LD_W=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
+            QK_SHARED=nvmma([B_T, B_K], g16), X_SHARED=nvmma([B_T, B_T], gl.float16),
+            S_SHARED=nvmma([B_V, B_K], gl.bfloat16), R_SHARED=nvmma([B_T, B_V], gl.float16),
+            S32_SHARED=nvmma([B_V, B_K], gl.float32), V_SHARED=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+            KP_SHARED=nvmma([b_p, B_K], g16), DP_SHARED=nvmma([B_T, b_p], gl.float16),
+            UP_SHARED=nvmma([b_p, B_V], gl.float16),
+        )
+
+
+MODE_OPTIONS = {0: dict(COALESCE=True, ALIAS_R=False), 1: dict(COALESCE=True, ALIAS_R=False),
+                2: dict(COALESCE=False, ALIAS_R=True)}
+"""Each mode's switches, as measured best on the H200 (BENCHMARKS.md, twentieth to twenty-second sessions): the
+verify and the read round store u and o through row-contiguous layouts; the write round keeps the accumulator's
+layout for them and puts ``R'`` in the state parts' bytes (its shared memory then fits two programs an SM)."""
+
+_descriptors: dict = {}
+
+
+def _pool_descriptor(state: torch.Tensor):
+    """The pool's TMA descriptor (a ``[-1, dk]`` view, ``[B_V, B_K]`` fp32 blocks), kept per pool."""
+    key = (state.data_ptr(), tuple(state.shape), state.device)
+    desc = _descriptors.get(key)
+    if desc is None:
+        if len(_descriptors) >= 256:
+            _descriptors.clear()
+        pool = state.view(-1, state.shape[-1])
+        layout = gl.NVMMASharedLayout.get_default_for([B_V, B_K], gl.float32)
+        desc = _descriptors[key] = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [B_V, B_K], layout)
+    return desc
+
+
+def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=None) -> tuple:
+    """(grid, args, meta) of one launch writing into ``res``; ``ring`` a `RingRead` (mode 1 or 2 by its round) or
+    None (the verify)."""
+    h = shape.heads
+    block_depth, _ = tree.block_depths(B_T)
+    if ring is None:
+        mode, b_p = MODES["verify"], 16
+        tables = (res.committed, res.committed, res.u, res.k, res.k_scale, res.log_decay)  # never read
+    else:
+        table, arena = ring.step.ring, ring.results
+        mode, b_p = MODES["write" if ring.step.write else "read"], table.width
+        tables = (table.rows, table.last, arena.u, arena.k, arena.k_scale, arena.log_decay)
+    sq, sk, sv, sg, sb, ss = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), state.stride()
+    args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
+            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state), *tables,
+            shape.scale, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1],
+            ss[0], ss[1], ss[2])
+    meta = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=B_K, B_V=B_V, G_FLOOR=LOG_DECAY_FLOOR, MODE=mode, B_P=b_p,
+                **MODE_OPTIONS[mode], **layouts(q.dtype, mode, b_p), num_warps=4)
+    return (h.hv, shape.num_requests), args, meta
+
+
+def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=None) -> None:
+    """One launch on inputs `run.run_launch` has checked and `gluon_takes` accepted, writing into ``res``."""
+    grid, args, meta = launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, ring)
+    gluon_verify_kernel[grid](*args, **meta)
+
+
+def compile_sm90(args: tuple, meta: dict):
+    """The kernel compiled for sm_90 on these (CPU) arguments, without a GPU: Triton's compiled kernel (its
+    ``metadata.shared``, ``asm["cubin"]``), for the CPU tests' check that every mode compiles and fits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = gluon_verify_kernel
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def gluon_takes(launch, state, shape, ring=None, pending=None) -> bool:
+    """Whether a launch the planner marked ``gluon`` runs on this kernel with these tensors: no pending fold (the
+    Triton kernels fold a `PendingCommit`), a ring table at most `MAX_RING_WIDTH` wide, the head dims it was
+    measured on and the pool contiguous (its TMA view). q, k and v come with their last stride 1 (`run_launch`)."""
+    if not launch.gluon or pending is not None:
+        return False
+    if ring is not None and ring.step.ring.width > MAX_RING_WIDTH:
+        return False
+    return (shape.heads.dk, shape.heads.dv) == HEAD_DIMS and state.is_contiguous()
+
+
+def compile_report(width: int = MAX_RING_WIDTH) -> dict:
+    """Each mode compiled for sm_90 here, without a GPU (a process without ``TRITON_INTERPRET``), on four 64-node
+    trees of Qwen3.5-9B heads in bf16 with ring tables ``width`` wide: mode -> `bole_tune.binaries.binary_report`
+    (registers, spilled bytes, shared memory) without its instruction counts."""
+    from bole_tune.binaries import binary_report
+    from bole_tune.shapes import HeadShape
+    from bole_tune.workloads import make_inputs, make_tree
+
+    from .result import VerifyShape, result_buffers
+    from .ring import PendingRing, RingRead, RingRound
+
+    heads = HeadShape(hk=16, hv=32, dk=HEAD_DIMS[0], dv=HEAD_DIMS[1])
+    tree = make_tree([B_T] * 4, "random", max_depth=8, seed=1, device="cpu")
+    x = make_inputs(tree, heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, "cpu", seed=1)
+    shape = VerifyShape(heads, tree.num_nodes, 4, x.state.shape[0], heads.dk ** -0.5)
+    res = result_buffers(shape, torch.bfloat16, "cpu", tree, None)
+    ring = PendingRing(x.state.shape[0], 1, width, capacity=tree.num_nodes, max_requests=4, device="cpu")
+    arena = ring.results(heads, torch.bfloat16)
+    out = {}
+    for mode, write in (("verify", None), ("read", False), ("write", True)):
+        rr = None if write is None else RingRead(RingRound(ring, tree, 0, write), arena)
+        _, args, meta = launch_args(*x.args(tree)[:7], tree, shape, res, rr)
+        report = binary_report(compile_sm90(args, meta))
+        report.pop("ops", None)
+        out[mode] = report
+    return out
+

@@ -1,0 +1,219 @@
+"""The Gluon verify (`kernels/verify/gluon.py`, sm_90 only): where the planner sends a launch to it, how it falls back,
+that every mode compiles for sm_90 within two programs an SM (on the CPU, without a GPU), and on the H200 that its
+verify, its ring read rounds and its ring write rounds match the float64 node-by-node recurrence over consecutive
+rounds, and that its results commit right."""
+
+import json
+import random
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from bole_tune import binaries
+from bole_tune.config import KernelConfig, default_config
+from bole_tune.kernels import PendingRing, plan_launch, tree_commit, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.verify import gluon as gluon_module
+from bole_tune.kernels.verify import planner as planner_module
+from bole_tune.kernels.verify.planner import H200_POLICY, Launch, Planner
+from bole_tune.shapes import HeadShape
+from bole_tune.workloads import make_inputs, make_tree
+from helpers import TOLERANCE, assert_close
+from test_folded_commit import accepted_of
+
+BF16, F32 = torch.bfloat16, torch.float32
+HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
+GLUON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+requires_sm90 = pytest.mark.skipif(not GLUON_GPU, reason="the Gluon verify runs on an sm_90 GPU (H100/H200) only")
+TWO_PROGRAMS_AN_SM = 233472 // 2 - 1024  # Hopper's 228 KiB an SM over two programs, less each block's reserved 1 KiB
+
+
+def _source(heads, dtype, max_tree_size, num_requests, device):
+    return default_config(heads.dk, heads.dv), None
+
+
+def _plan(planner, batch=16, size=64, dtype=BF16, depth=8, heads=HEADS_9B, **kwargs):
+    return planner.plan(heads, dtype, num_requests=batch, max_tree_size=size, depth=depth, device="cuda",
+                        check=False, **kwargs)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The planner's device check answering as an sm_90 GPU would (the CPU tests of its decisions)."""
+    monkeypatch.setattr(planner_module, "gluon_device_refusal", lambda device: "")
+
+
+def test_planner_sends_64_node_resident_launches_to_gluon(sm90):
+    planner = Planner(config_source=_source)
+    assert _plan(planner).gluon  # B=16 T=64: the resident kernel, one program per head
+    assert _plan(planner, batch=8, size=40).gluon  # B=8 trees of 33-64 nodes: 64-row blocks
+    assert _plan(planner, ring=True).gluon  # a ring's write round
+    assert not _plan(planner, fold=True).gluon  # a pending fold stays on the Triton kernel
+    assert not _plan(planner, size=32).gluon  # 32-row blocks
+    assert not _plan(planner, dtype=F32).gluon and not _plan(planner, dtype=torch.float16).gluon
+    assert not _plan(planner, depth=20).gluon  # deeper than the fp16 sweeps allow
+    assert not _plan(planner, batch=1).gluon  # the fused kernel
+    assert not _plan(planner, heads=HeadShape(hk=16, hv=32, dk=64, dv=64)).gluon
+    assert not _plan(planner, gluon=False).gluon  # what the tuner times
+    launch = _plan(planner)
+    assert (launch.variant, launch.v_split, launch.state_split, launch.sweep_f16) == ("resident", 1, True, True)
+
+
+def test_planner_never_sends_a_launch_to_gluon_off_sm90():
+    planner = Planner(config_source=_source)
+    if not GLUON_GPU:
+        assert not _plan(planner).gluon  # this machine has no sm_90 GPU
+    cpu = planner.plan(HEADS_9B, BF16, num_requests=16, max_tree_size=64, depth=8, device="cpu", check=False)
+    assert not cpu.gluon
+    with pytest.raises(ValueError, match="gluon: .*not a CUDA device"):
+        planner.plan(HEADS_9B, BF16, num_requests=16, max_tree_size=64, depth=8, device="cpu", check=False,
+                     gluon=True)
+
+
+def test_asking_for_gluon_where_it_cannot_run_names_why(sm90):
+    planner = Planner(config_source=_source)
+    with pytest.raises(ValueError, match=r"gluon: .*fold=True"):
+        _plan(planner, fold=True, gluon=True)
+    with pytest.raises(ValueError, match=r"gluon: .*dk, dv = \(128, 128\)"):
+        _plan(planner, heads=HeadShape(hk=16, hv=32, dk=64, dv=64), gluon=True)
+    launch = Launch("resident", KernelConfig(32, 64, 4, 2), 64, gluon=True)
+    with pytest.raises(ValueError, match="launch.gluon: .*float32"):
+        planner.given(launch, HEADS_9B, F32, F32, 64, 8, 128 ** -0.5, True, torch.device("cuda"))
+
+
+def test_a_gluon_launch_that_fails_its_self_check_runs_the_triton_kernel(sm90, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    asked = []
+
+    def self_check(launch, *args):
+        asked.append(launch.gluon)
+        if launch.gluon:
+            raise RuntimeError("out of resource: shared memory")
+        return 1e-3, 5e-3
+
+    planner = Planner(config_source=_source, self_check=self_check)
+    with pytest.warns(UserWarning, match="Gluon verify failed its self-check.*out of resource"):
+        launch = planner.plan(HEADS_9B, BF16, num_requests=16, max_tree_size=64, depth=8, device="cuda")
+    assert asked == [True, False]  # the Gluon launch, then the Triton one it falls back to, each checked
+    assert (launch.variant, launch.gluon) == ("resident", False)
+    assert "Gluon verify's self-check: RuntimeError: out of resource" in launch.fallback
+    assert launch.fallback_error is None  # what runs (the Triton kernel) passed its own check
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided once: no second warning, no second check
+        assert planner.plan(HEADS_9B, BF16, num_requests=16, max_tree_size=64, depth=8, device="cuda") == launch
+    assert asked == [True, False]
+
+    wrong = Planner(config_source=_source, self_check=lambda launch, *a: (3e-2, 5e-3) if launch.gluon else (1e-3, 5e-3))
+    with pytest.warns(UserWarning, match="relative error 3.0e-02"):
+        assert not wrong.plan(HEADS_9B, BF16, num_requests=16, max_tree_size=64, depth=8, device="cuda").gluon
+
+
+def test_gluon_takes_only_what_it_was_built_for():
+    launch = Launch("resident", KernelConfig(32, 64, 4, 2), 64, gluon=True)
+    shape = type("Shape", (), {"heads": HEADS_9B})()
+    pool = torch.zeros(4, 32, 128, 128)
+    assert gluon_module.gluon_takes(launch, pool, shape)
+    assert not gluon_module.gluon_takes(launch.replace(gluon=False), pool, shape)
+    assert not gluon_module.gluon_takes(launch, pool, shape, pending=object())  # a PendingCommit: Triton
+    assert not gluon_module.gluon_takes(launch, pool.transpose(2, 3), shape)  # no TMA view of the pool
+    assert not gluon_module.gluon_takes(launch, pool, type("Shape", (), {"heads": HeadShape(hk=16, hv=32, dk=128, dv=64)})())
+    tree = make_tree([8], device="cpu")
+    for rounds, takes in ((3, True), (4, False)):  # 9-node paths: R = 3 -> width 32, R = 4 -> 64
+        ring = PendingRing(4, rounds, 9, capacity=64, max_requests=4, device="cpu")
+        read = ring.begin(tree).layer(ring.results(HEADS_9B, BF16))
+        assert gluon_module.gluon_takes(launch, pool, shape, ring=read) is takes
+
+
+def test_every_mode_compiles_for_sm90_within_two_programs_an_sm():
+    """Compiled here, without a GPU (a process without TRITON_INTERPRET): a compile error, or shared memory past two
+    programs an SM (the B=16 launch then runs in three waves, not two), shows before any device run."""
+    tools = binaries.missing_tools()
+    if tools:
+        pytest.skip(f"Triton's wheel here ships no {', '.join(tools)}: nothing to compile with")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", "import json; from bole_tune.kernels.verify.gluon import "
+                           "compile_report; print(json.dumps(compile_report()))"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report) == {"verify", "read", "write"}
+    for mode, row in report.items():
+        assert row["num_warps"] == 4, mode
+        assert row["registers"] <= 255, (mode, row)
+        assert row["shared"] <= TWO_PROGRAMS_AN_SM, (mode, row)
+        assert row["stack"] <= 64, (mode, row)  # a few spilled bytes at most (255 registers a thread)
+
+
+# ------------------------------------------------------------------------------------------------ on the H200
+
+
+def _inputs(sizes, seed, num_slots=None):
+    tree = make_tree(sizes, "random", max_depth=8, seed=seed, device="cuda")
+    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, BF16, "cuda", seed=seed,
+                    num_slots=num_slots)
+    return tree, x
+
+
+@requires_sm90
+@pytest.mark.parametrize("sizes", [[64] * 16, [33, 64, 40, 57, 64, 48, 35, 61], [64] * 8 + [1, 2, 16, 33]])
+def test_gluon_verify_and_commit_match_the_reference(sizes):
+    tree, x = _inputs(sizes, seed=len(sizes))
+    launch = plan_launch(HEADS_9B, BF16, num_requests=tree.num_requests, max_tree_size=tree.max_tree_size,
+                         depth=tree.depth, device="cuda")
+    assert launch.gluon, launch
+    before = x.state.clone()
+    res = tree_verify(*x.args(tree), launch=launch)
+    assert torch.equal(x.state, before), "the verify wrote the pool"
+    ref = verify_reference(*x.args(tree))
+    assert_close(res.o, ref.o, TOLERANCE[BF16], "outputs")
+    triton = tree_verify(*x.args(tree), launch=launch.replace(gluon=False))
+    assert_close(res.o, triton.o, TOLERANCE[BF16], "outputs against the Triton resident kernel")
+    rng = random.Random(1)
+    accepted = torch.tensor([accepted_of(rng, tree, r) for r in range(tree.num_requests)], device="cuda")
+    truth = ref.committed(x.state, x.state_indices, tree, accepted).float()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, truth, TOLERANCE[F32], "the pool committed from the Gluon verify's factors")
+
+
+@requires_sm90
+@pytest.mark.parametrize("rounds,batch", [(3, 16), (2, 8), (1, 8)])
+def test_gluon_ring_rounds_match_the_recurrence(rounds, batch):
+    """A `PendingRing` over consecutive rounds of 33-64-node trees, every round's read or write on the Gluon kernel
+    (tables of width 16-32): outputs, untouched pools in read rounds, written slots in write rounds, and the pool
+    after the last flush, against the float64 recurrence; requests accept none, the root, the deepest or any node."""
+    rng = random.Random(rounds)
+    num_slots = 2 * batch
+    ring = PendingRing(num_slots, rounds, 9, capacity=64 * batch, max_requests=batch, device="cuda")
+    assert ring.width <= gluon_module.MAX_RING_WIDTH
+    arena = ring.results(HEADS_9B, BF16)
+    _, x0 = _inputs([1], seed=99, num_slots=num_slots)
+    pool = x0.state
+    truth = pool.clone()
+    slots = torch.tensor(rng.sample(range(num_slots), batch), dtype=torch.int32, device="cuda")
+    writes = 0
+    for index in range(3 * rounds + 2):
+        tree, x = _inputs([rng.randint(33, 64) for _ in range(batch)], seed=200 + index)
+        step = ring.begin(tree)
+        launch = plan_launch(HEADS_9B, BF16, num_requests=batch, max_tree_size=tree.max_tree_size, depth=tree.depth,
+                             device="cuda", ring=step.write)
+        assert launch.gluon, launch
+        before = pool.clone()
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, launch=launch, ring=step.layer(arena))
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
+        kind = "write" if step.write else "read"
+        assert_close(res.o, ref.o, TOLERANCE[BF16], f"round {index} ({kind}) outputs")
+        if step.write:
+            writes += 1
+            assert_close(pool[slots.long()], truth[slots.long()], TOLERANCE[F32], f"round {index}: written slots")
+        else:
+            assert torch.equal(pool, before), f"round {index}: a read round wrote the pool"
+        accepted = torch.tensor([accepted_of(rng, tree, r) for r in range(batch)], device="cuda")
+        truth = ref.committed(truth, slots, tree, accepted).float()
+        ring.end(step, slots, accepted, validate=True)
+    ring.flush(slots, [pool], [arena])
+    assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
+    assert writes == (3 * rounds + 1) // rounds
