@@ -54,7 +54,7 @@ def run(batch: int, turns: int, repeats: int) -> dict:
         order = list(launches.items()) if turn % 2 == 0 else list(launches.items())[::-1]
         for name, (read, write) in order:
             row = out["us"].setdefault(name, {})
-            v = bench.time_verify(tree_verify, read, repeats=repeats).p50_us
+            v = bench.time_verify(tree_verify, read, repeats=repeats)[0].p50_us
             row.setdefault("verify", []).append(v)
             row.setdefault("verify + all-layer commit", []).append(v + commit)
             for rounds in (3, 2):
