@@ -181,11 +181,14 @@ if gluon is not None:
         beta_j = gl.load(beta_ptr + (bos + o_j) * stride_beta_n + i_h * stride_beta_h, mask=m_j, other=0).to(gl.float32)
         g_j = gl.maximum(gl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(gl.float32),
                          G_FLOOR)
-        if RING or FOLD:
-            # the ring's weights' loads issued now; their values are used after the Gram products are issued, so
-            # their latency hides behind the q/k rows' arrival
-            w_loads = ring_loads(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr, i_h, i_hk,
-                                 H_V, H_K, B_P, LD_W)
+        if FOLD:
+            weight_pc, fold_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
+                                                 i_h, i_hk, H_V, H_K, B_P, LD_W)
+            weight_pc = gl.convert_layout(weight_pc, gl.SliceLayout(0, LD_P))
+        if RING:
+            ring_w, ring_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
+                                              i_h, i_hk, H_V, H_K, B_P, LD_W)
+            ring_w = gl.convert_layout(ring_w, gl.SliceLayout(0, MMA_P))
         async_copy.wait_group(1)
         gl.thread_barrier()
         ssq_q = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
@@ -213,12 +216,6 @@ if gluon is not None:
         logp_i = gl.sum(gl.where(m_anc, g_j[None, :], 0.0), axis=1)
         logp_j = gl.convert_layout(logp_i, COL)
         decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
-        if FOLD:
-            weight_pc, fold_decay = ring_weights(w_loads, B_P, LD_W)
-            weight_pc = gl.convert_layout(weight_pc, gl.SliceLayout(0, LD_P))
-        if RING:
-            ring_w, ring_decay = ring_weights(w_loads, B_P, LD_W)
-            ring_w = gl.convert_layout(ring_w, gl.SliceLayout(0, MMA_P))
         b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
         if RING:
             # D_q = Q K_p^T diag(w), D_k = K K_p^T diag(w) (raw q and k: a_q, a_k scale the rows later), scaled by
@@ -381,32 +378,23 @@ if gluon is not None:
         return gl.where(real, rows, 0), real
 
     @gluon.jit
-    def ring_loads(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
-                   LD_W: gl.constexpr):
-        """What `ring_weights` works from, loaded (issued) for a `PendingRing` slot's table at ``p_rows`` / ``p_last``:
-        per entry as rows (``SliceLayout(1, LD_W)``) its mask, ``last`` flag and ``logP``, and as columns its mask,
-        ``logP`` and key scale."""
+    def ring_weights(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
+                     LD_W: gl.constexpr):
+        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]``, 0 past its tokens; in
+        ``SliceLayout(0, LD_W)``) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds"): with ``t``
+        the accepted nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i -
+        logP_j`` and ``L = sum_i t_i``. The suffix sums as a masked ``[B_P, B_P]`` reduction."""
         ROW_W: gl.constexpr = gl.SliceLayout(1, LD_W)
         COL_W: gl.constexpr = gl.SliceLayout(0, LD_W)
         rows_i, m_i = table_rows(p_rows, B_P, ROW_W)
-        last_i = gl.load(p_last + gl.arange(0, B_P, layout=ROW_W))
+        o_i = gl.arange(0, B_P, layout=ROW_W)
+        last_i = gl.load(p_last + o_i)
         logp_i = gl.load(logp_ptr + rows_i * H_V + i_h, mask=m_i, other=0.0)
+        ends = gl.where(m_i & (last_i != 0), logp_i, 0.0)
         rows_j, m_j = table_rows(p_rows, B_P, COL_W)
+        o_j = gl.arange(0, B_P, layout=COL_W)
         logp_j = gl.load(logp_ptr + rows_j * H_V + i_h, mask=m_j, other=0.0)
         scale_j = gl.load(k_scale_ptr + rows_j * H_K + i_hk, mask=m_j, other=0.0)
-        return m_i, last_i, logp_i, m_j, logp_j, scale_j
-
-    @gluon.jit
-    def ring_weights(loads, B_P: gl.constexpr, LD_W: gl.constexpr):
-        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]``, 0 past its tokens; in
-        ``SliceLayout(0, LD_W)``) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds") from
-        `ring_loads`: with ``t`` the accepted nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere),
-        ``L - L_j = sum_{i >= j} t_i - logP_j`` and ``L = sum_i t_i``; the suffix sums as a masked ``[B_P, B_P]``
-        reduction."""
-        m_i, last_i, logp_i, m_j, logp_j, scale_j = loads
-        o_i = gl.arange(0, B_P, layout=gl.SliceLayout(1, LD_W))
-        o_j = gl.arange(0, B_P, layout=gl.SliceLayout(0, LD_W))
-        ends = gl.where(m_i & (last_i != 0), logp_i, 0.0)
         suffix = gl.sum(gl.where(o_i[:, None] >= o_j[None, :], ends[:, None], 0.0), axis=0)
         weight = gl.where(m_j, gl.exp(suffix - logp_j) * scale_j, 0.0)
         return weight, gl.exp(gl.sum(ends, axis=0))
