@@ -379,25 +379,23 @@ if gluon is not None:
 
     @gluon.jit
     def ring_weights(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
-                     LD_W: gl.constexpr):
-        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]``, 0 past its tokens; in
-        ``SliceLayout(0, LD_W)``) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds"): with ``t``
-        the accepted nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i -
-        logP_j`` and ``L = sum_i t_i``. The suffix sums as a masked ``[B_P, B_P]`` reduction."""
-        ROW_W: gl.constexpr = gl.SliceLayout(1, LD_W)
-        COL_W: gl.constexpr = gl.SliceLayout(0, LD_W)
-        rows_i, m_i = table_rows(p_rows, B_P, ROW_W)
-        o_i = gl.arange(0, B_P, layout=ROW_W)
-        last_i = gl.load(p_last + o_i)
-        logp_i = gl.load(logp_ptr + rows_i * H_V + i_h, mask=m_i, other=0.0)
-        ends = gl.where(m_i & (last_i != 0), logp_i, 0.0)
-        rows_j, m_j = table_rows(p_rows, B_P, COL_W)
-        o_j = gl.arange(0, B_P, layout=COL_W)
-        logp_j = gl.load(logp_ptr + rows_j * H_V + i_h, mask=m_j, other=0.0)
-        scale_j = gl.load(k_scale_ptr + rows_j * H_K + i_hk, mask=m_j, other=0.0)
-        suffix = gl.sum(gl.where(o_i[:, None] >= o_j[None, :], ends[:, None], 0.0), axis=0)
-        weight = gl.where(m_j, gl.exp(suffix - logp_j) * scale_j, 0.0)
+                     LAYOUT: gl.constexpr):
+        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]`` in ``LAYOUT``, 0 past its
+        tokens) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds"): with ``t`` the accepted
+        nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i - logP_j`` and
+        ``L = sum_i t_i`` (the suffix sums by a reversed scan)."""
+        rows, real = table_rows(p_rows, B_P, LAYOUT)
+        last = gl.load(p_last + gl.arange(0, B_P, layout=LAYOUT))
+        logp = gl.load(logp_ptr + rows * H_V + i_h, mask=real, other=0.0)
+        scale = gl.load(k_scale_ptr + rows * H_K + i_hk, mask=real, other=0.0)
+        ends = gl.where(real & (last != 0), logp, 0.0)
+        suffix = gl.associative_scan(ends, 0, _add, reverse=True)
+        weight = gl.where(real, gl.exp(suffix - logp) * scale, 0.0)
         return weight, gl.exp(gl.sum(ends, axis=0))
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
 
     @gluon.jit
     def bf16_parts(x):
@@ -473,7 +471,7 @@ if gluon is not None:
             LD_V=_blocked(B_T, B_V, 2), LD_U=_blocked(B_T, B_V, 4), LD_O=_blocked(B_T, B_V, 2),
             LD_P=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
             LD_UP=_blocked(b_p, B_V, 4), LD_KP=_blocked(b_p, B_K, 2),
-            LD_W=gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]),
+            LD_W=gl.BlockedLayout([1], [32], [4], [0]),
             QK_SHARED=nvmma([B_T, B_K], g16), X_SHARED=nvmma([B_T, B_T], gl.float16),
             S_SHARED=nvmma([B_V, B_K], gl.bfloat16), R_SHARED=nvmma([B_T, B_V], gl.float16),
             S32_SHARED=nvmma([B_V, B_K], gl.float32), V_SHARED=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
