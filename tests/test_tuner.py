@@ -206,7 +206,7 @@ def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeyp
     failed = Launch("fused", KernelConfig(16, 16, 4, 1), 16, fallback_error=1.3e-2,
                     fallback="the resident kernel's self-check: relative error 1.30e-02")
     monkeypatch.setattr(CaseBench, "launch",
-                        lambda self, config=None, variant=None, tuned_on=None, fold=False, ring=False: failed)
+                        lambda self, config=None, variant=None, tuned_on=None, fold=False, ring=False, gluon=None: failed)
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "wrong" and m.rel_error == 1.3e-2 and "self-check" in m.message, m
 

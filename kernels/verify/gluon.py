@@ -181,14 +181,6 @@ if gluon is not None:
         beta_j = gl.load(beta_ptr + (bos + o_j) * stride_beta_n + i_h * stride_beta_h, mask=m_j, other=0).to(gl.float32)
         g_j = gl.maximum(gl.load(g_ptr + (bos + o_j) * stride_g_n + i_h * stride_g_h, mask=m_j, other=0).to(gl.float32),
                          G_FLOOR)
-        if FOLD:
-            weight_pc, fold_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
-                                                 i_h, i_hk, H_V, H_K, B_P, LD_W)
-            weight_pc = gl.convert_layout(weight_pc, gl.SliceLayout(0, LD_P))
-        if RING:
-            ring_w, ring_decay = ring_weights(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr,
-                                              i_h, i_hk, H_V, H_K, B_P, LD_W)
-            ring_w = gl.convert_layout(ring_w, gl.SliceLayout(0, MMA_P))
         async_copy.wait_group(1)
         gl.thread_barrier()
         ssq_q = gl.zeros([B_T], gl.float32, layout=gl.SliceLayout(1, LD))
@@ -209,6 +201,11 @@ if gluon is not None:
         for c in gl.static_range(NK):
             b_qk = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), b_qk, is_async=True)
             b_kk = warpgroup_mma(k_smem.index(c), k_smem.index(c).permute((1, 0)), b_kk, is_async=True)
+        if RING or FOLD:
+            # what the tokens' weights are worked out from, requested now (the table's rows arrived for the keys'
+            # copies: nothing waits here) and used after the factors, their latency behind the solve
+            w_loads = ring_loads(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr, i_h, i_hk,
+                                 H_V, H_K, B_P, LD_W)
         r_q_i = scale / gl.sqrt(gl.convert_layout(ssq_q, ROW) + 1e-6)
         r_k_i = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, ROW) + 1e-6)
         r_k_j = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, COL) + 1e-6)
@@ -218,16 +215,14 @@ if gluon is not None:
         decay = gl.exp(gl.where(m_anc, logp_i[:, None] - logp_j[None, :], float("-inf")))
         b_qk, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_qk, b_kk))
         if RING:
-            # D_q = Q K_p^T diag(w), D_k = K K_p^T diag(w) (raw q and k: a_q, a_k scale the rows later), scaled by
-            # their largest magnitude into fp16 in shared memory: the A operands of the corrections D U_p
+            # D_q = Q K_p^T, D_k = K K_p^T (raw q, k and keys: a_q, a_k scale the rows later, the weights the
+            # updates), scaled by their largest magnitude into fp16 in shared memory: the A operands of D diag(w) U_p
             b_dq = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
             b_dk = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
             for c in gl.static_range(NK):
                 b_dq = warpgroup_mma(q_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dq, is_async=True)
                 b_dk = warpgroup_mma(k_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dk, is_async=True)
             b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))
-            b_dq = b_dq * ring_w[None, :]
-            b_dk = b_dk * ring_w[None, :]
             # one scale for both: the corrections open the state products' accumulation chain
             ds = gl.maximum(gl.max(gl.max(gl.abs(b_dq), axis=1), axis=0), gl.max(gl.max(gl.abs(b_dk), axis=1), axis=0))
             ds = gl.where(ds > 0.0, ds, 1.0)
@@ -245,17 +240,23 @@ if gluon is not None:
                       block_depth_ptr + i_r, zeros_t)
         async_copy.wait_group(0)
         gl.thread_barrier()
+        if FOLD:
+            weight_pc, fold_decay = ring_weights(w_loads, B_P, LD_W)
+            weight_pc = gl.convert_layout(weight_pc, gl.SliceLayout(0, LD_P))
         if RING:
-            # the tokens' updates scaled by their largest magnitude into fp16, every value tile: the B operands of
-            # D U_p, which open each tile's accumulation; the state tiles are scaled by exp(L) / (ds us) as they are
-            # split, and the tile's products by ds us after it
+            # the tokens' weighted updates w_j u_j scaled by their largest magnitude into fp16, every value tile: the
+            # B operands of D (diag(w) U_p), which open each tile's accumulation; the state tiles are scaled by
+            # exp(L) / (ds us) as they are split, and the tile's products by ds us after it
+            ring_w, ring_decay = ring_weights(w_loads, B_P, LD_W)
+            ring_w = gl.convert_layout(ring_w, gl.SliceLayout(1, LD_UP))
             us = 0.0
             for t in gl.static_range(NV):
-                us = gl.maximum(us, gl.max(gl.max(gl.abs(u32_smem.index(t).load(LD_UP)), axis=1), axis=0))
+                us = gl.maximum(us, gl.max(gl.max(gl.abs(u32_smem.index(t).load(LD_UP) * ring_w[:, None]), axis=1),
+                                           axis=0))
             us = gl.where(us > 0.0, us, 1.0)
             up16_smem = gl.allocate_shared_memory(gl.float16, [NV, B_P, B_V], UP_SHARED)
             for t in gl.static_range(NV):
-                up16_smem.index(t).store((u32_smem.index(t).load(LD_UP) / us).to(gl.float16))
+                up16_smem.index(t).store((u32_smem.index(t).load(LD_UP) * (ring_w / us)[:, None]).to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
             ring_c = ds * us
@@ -378,16 +379,23 @@ if gluon is not None:
         return gl.where(real, rows, 0), real
 
     @gluon.jit
-    def ring_weights(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
-                     LAYOUT: gl.constexpr):
-        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]`` in ``LAYOUT``, 0 past its
-        tokens) and its decay ``exp(L)`` (docs/math.md §4, "A ring of pending rounds"): with ``t`` the accepted
-        nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i - logP_j`` and
-        ``L = sum_i t_i`` (the suffix sums by a reversed scan)."""
+    def ring_loads(p_rows, p_last, logp_ptr, k_scale_ptr, i_h, i_hk, H_V, H_K, B_P: gl.constexpr,
+                   LAYOUT: gl.constexpr):
+        """What `ring_weights` works from, requested for a `PendingRing` slot's table at ``p_rows`` / ``p_last``
+        (``[B_P]`` in ``LAYOUT``): which entries are tokens, their ``last`` flags, ``logP`` and key scales."""
         rows, real = table_rows(p_rows, B_P, LAYOUT)
         last = gl.load(p_last + gl.arange(0, B_P, layout=LAYOUT))
         logp = gl.load(logp_ptr + rows * H_V + i_h, mask=real, other=0.0)
         scale = gl.load(k_scale_ptr + rows * H_K + i_hk, mask=real, other=0.0)
+        return real, last, logp, scale
+
+    @gluon.jit
+    def ring_weights(loads, B_P: gl.constexpr, LAYOUT: gl.constexpr):
+        """A `PendingRing` slot's token weights ``exp(L - L_j) r_k,j`` (``[B_P]`` in ``LAYOUT``, 0 past its tokens)
+        and its decay ``exp(L)`` from `ring_loads` (docs/math.md §4, "A ring of pending rounds"): with ``t`` the
+        accepted nodes' ``logP`` (the entries flagged ``last``, 0 elsewhere), ``L - L_j = sum_{i >= j} t_i - logP_j``
+        and ``L = sum_i t_i`` (the suffix sums by a reversed scan)."""
+        real, last, logp, scale = loads
         ends = gl.where(real & (last != 0), logp, 0.0)
         suffix = gl.associative_scan(ends, 0, _add, reverse=True)
         weight = gl.where(real, gl.exp(suffix - logp) * scale, 0.0)
