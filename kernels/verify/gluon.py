@@ -20,14 +20,17 @@ Three modes (``MODE``):
 
 - 0, the verify;
 - 1, a `PendingRing` read round: the slot read through its pending tokens, ``S' x = exp(L) S x +
-  sum_j w_j (k_j . x) u_j``; the corrections ``D = [Q; K] K_p^T diag(w)`` on wgmma, scaled into fp16, open each value
-  tile's accumulation with the tokens' updates (brought by cp.async, scaled into fp16); nothing is written to the pool;
+  sum_j w_j (k_j . x) u_j``; the corrections ``D = [Q; K] K_p^T`` on wgmma, scaled into fp16, open each value tile's
+  accumulation with the tokens' weighted updates ``diag(w) U_p`` (brought by cp.async, scaled into fp16); nothing is
+  written to the pool;
 - 2, a ring's write round: each state tile folded, ``S' = exp(L) S + sum_j (w_j u_j) k_j^T`` (the weighted updates
   in three bf16 parts whose products with the 16-bit keys are exact; the next key chunk's update issued before this
   tile's products), written back in place by TMA, then verified.
 
 In modes 1 and 2 the ring's weights ``w_j = exp(L - L_j) r_k,j`` and decay ``exp(L)`` are worked out in the kernel
-from the slot's table (`ring_weights`), as the Triton kernels do.
+from the slot's table (`ring_loads`, `ring_weights`), as the Triton kernels do, after the factors: their loads
+depend on the table's rows, and a warp that issues a load whose address is not there yet waits (weights applied to
+``D`` before the solve made the B=16 read round 2 us slower; BENCHMARKS.md, "Twenty-third session").
 """
 
 from __future__ import annotations
