@@ -116,16 +116,28 @@ def test_gluon_takes_only_what_it_was_built_for():
     launch = Launch("resident", KernelConfig(32, 64, 4, 2), 64, gluon=True)
     shape = type("Shape", (), {"heads": HEADS_9B})()
     pool = torch.zeros(4, 32, 128, 128)
-    assert gluon_module.gluon_takes(launch, pool, shape)
-    assert not gluon_module.gluon_takes(launch.replace(gluon=False), pool, shape)
-    assert not gluon_module.gluon_takes(launch, pool, shape, pending=object())  # a PendingCommit: Triton
-    assert not gluon_module.gluon_takes(launch, pool.transpose(2, 3), shape)  # no TMA view of the pool
-    assert not gluon_module.gluon_takes(launch, pool, type("Shape", (), {"heads": HeadShape(hk=16, hv=32, dk=128, dv=64)})())
+    q, k = torch.zeros(64, 16, 128, dtype=BF16), torch.zeros(64, 16, 128, dtype=BF16)
+    v = torch.zeros(64, 32, 128, dtype=BF16)
+
+    def takes(*, launch=launch, q=q, k=k, v=v, pool=pool, shape=shape, **kw):
+        return gluon_module.gluon_takes(launch, q, k, v, pool, shape, **kw)
+
+    assert takes()
+    assert not takes(launch=launch.replace(gluon=False))
+    assert not takes(pending=object())  # a PendingCommit: the Triton kernel folds it
+    assert not takes(pool=pool.transpose(2, 3))  # no TMA view of the pool
+    assert not takes(pool=torch.zeros(4 * 32 * 128 * 128 + 1)[1:].view(4, 32, 128, 128))  # 4-byte aligned only
+    assert not takes(shape=type("Shape", (), {"heads": HeadShape(hk=16, hv=32, dk=128, dv=64)})())
+    fused = torch.zeros(64, 16 * 128 * 3 + 4, dtype=BF16)  # q, k, v cut out of one projection, rows of 6152 bytes
+    assert takes(q=fused[:, :2048].view(64, 16, 128)) is False  # a row stride of 6148 elements: not whole 16 bytes
+    aligned = torch.zeros(64, 16 * 128 * 3 + 8, dtype=BF16)
+    assert takes(q=aligned[:, :2048].view(64, 16, 128), k=aligned[:, 2048:4096].view(64, 16, 128))
+    assert not takes(k=aligned[:, 2049:4097].view(64, 16, 128))  # an odd element offset
     tree = make_tree([8], device="cpu")
-    for rounds, takes in ((3, True), (4, False)):  # 9-node paths: R = 3 -> width 32, R = 4 -> 64
+    for rounds, expected in ((3, True), (4, False)):  # 9-node paths: R = 3 -> width 32, R = 4 -> 64
         ring = PendingRing(4, rounds, 9, capacity=64, max_requests=4, device="cpu")
         read = ring.begin(tree).layer(ring.results(HEADS_9B, BF16))
-        assert gluon_module.gluon_takes(launch, pool, shape, ring=read) is takes
+        assert takes(ring=read) is expected
 
 
 def test_every_mode_compiles_for_sm90_within_two_programs_an_sm():
@@ -165,6 +177,8 @@ def test_gluon_verify_and_commit_match_the_reference(sizes):
     launch = plan_launch(HEADS_9B, BF16, num_requests=tree.num_requests, max_tree_size=tree.max_tree_size,
                          depth=tree.depth, device="cuda")
     assert launch.gluon, launch
+    shape = type("Shape", (), {"heads": HEADS_9B})()
+    assert gluon_module.gluon_takes(launch, x.q, x.k, x.v, x.state, shape)  # the Gluon kernel runs, not Triton's
     before = x.state.clone()
     res = tree_verify(*x.args(tree), launch=launch)
     assert torch.equal(x.state, before), "the verify wrote the pool"
@@ -201,6 +215,8 @@ def test_gluon_ring_rounds_match_the_recurrence(rounds, batch):
         launch = plan_launch(HEADS_9B, BF16, num_requests=batch, max_tree_size=tree.max_tree_size, depth=tree.depth,
                              device="cuda", ring=step.write)
         assert launch.gluon, launch
+        assert gluon_module.gluon_takes(launch, x.q, x.k, x.v, pool, type("Shape", (), {"heads": HEADS_9B})(),
+                                        ring=step.layer(arena))  # the Gluon kernel runs each round, not Triton's
         before = pool.clone()
         res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, launch=launch, ring=step.layer(arena))
         ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)

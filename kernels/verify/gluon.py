@@ -559,15 +559,23 @@ def compile_sm90(args: tuple, meta: dict):
     return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def gluon_takes(launch, state, shape, ring=None, pending=None) -> bool:
+def gluon_takes(launch, q, k, v, state, shape, ring=None, pending=None) -> bool:
     """Whether a launch the planner marked ``gluon`` runs on this kernel with these tensors: no pending fold (the
     Triton kernels fold a `PendingCommit`), a ring table at most `MAX_RING_WIDTH` wide, the head dims it was
-    measured on and the pool contiguous (its TMA view). q, k and v come with their last stride 1 (`run_launch`)."""
+    measured on, the pool contiguous (its TMA view), and q, k, v and the pool 16-byte aligned with rows of whole
+    16 bytes (the cp.async copies and the TMA descriptor move 16 bytes a thread; a view that is not, such as q cut
+    at an odd offset out of a fused projection, runs the Triton kernel). q, k and v come with their last stride 1
+    (`run_launch`)."""
     if not launch.gluon or pending is not None:
         return False
     if ring is not None and ring.step.ring.width > MAX_RING_WIDTH:
         return False
-    return (shape.heads.dk, shape.heads.dv) == HEAD_DIMS and state.is_contiguous()
+    if (shape.heads.dk, shape.heads.dv) != HEAD_DIMS or not state.is_contiguous():
+        return False
+    for x in (q, k, v):
+        if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
+            return False
+    return state.data_ptr() % 16 == 0
 
 
 def compile_report(width: int = MAX_RING_WIDTH) -> dict:

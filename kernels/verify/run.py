@@ -97,7 +97,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         k, sk = _last_contiguous(k)
     if sv[2] != 1:
         v, sv = _last_contiguous(v)
-    if launch.gluon and gluon_takes(launch, state, shape, ring, pending):
+    if launch.gluon and gluon_takes(launch, q, k, v, state, shape, ring, pending):
         gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring)
         return res
     block_depth, max_blocks = tree.block_depths(launch.node_block)
