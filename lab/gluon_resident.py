@@ -66,6 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bole_tune.kernels.common import LOG_DECAY_FLOOR
+from bole_tune.kernels.verify.gluon import _blocked, bf16_parts, fold_operands, table_rows
+from bole_tune.kernels.verify.gluon import compile_sm90 as shipped_compile_sm90
 from bole_tune.kernels.verify.result import VerifyShape, result_buffers
 from bole_tune.shapes import HeadShape
 
@@ -631,23 +633,6 @@ def fold_update(up_hi, up_mid, up_lo, kp, zeros, PARTS: gl.constexpr = 3):
 
 
 @gluon.jit
-def bf16_parts(x):
-    """fp32 ``x`` as three bf16 parts that sum to it (8 + 8 + 8 significant bits)."""
-    hi = x.to(gl.bfloat16)
-    rest = x - hi.to(gl.float32)
-    mid = rest.to(gl.bfloat16)
-    return hi, mid, (rest - mid.to(gl.float32)).to(gl.bfloat16)
-
-
-@gluon.jit
-def fold_operands(b_up, weight, A_FOLD: gl.constexpr):
-    """A value tile's updates ``u_j`` (``b_up`` ``[B_V, B_P]`` fp32) weighted by ``w_j`` (``weight``), as their three
-    bf16 parts in the fold's A-operand layout."""
-    hi, mid, lo = bf16_parts(b_up * weight[None, :])
-    return gl.convert_layout(hi, A_FOLD), gl.convert_layout(mid, A_FOLD), gl.convert_layout(lo, A_FOLD)
-
-
-@gluon.jit
 def fold_parts(up_parts, first: gl.constexpr, b_up):
     """``b_up``'s three bf16 parts into ``up_parts[first:first+3]``."""
     hi, mid, lo = bf16_parts(b_up)
@@ -685,14 +670,6 @@ def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, b
     m_smem.store(b_m.to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
-
-
-@gluon.jit
-def table_rows(p_table, B_P: gl.constexpr, LAYOUT: gl.constexpr):
-    """A token table's ``B_P`` entries at ``p_table`` as rows (int64; an entry of -1, none, as row 0) and which are real."""
-    rows = gl.load(p_table + gl.arange(0, B_P, layout=LAYOUT)).to(gl.int64)
-    real = rows >= 0
-    return gl.where(real, rows, 0), real
 
 
 @gluon.jit
@@ -781,13 +758,6 @@ def state_tile(n: gl.constexpr, b_s, s_desc, s_ring, s_bars, s_row, p_state, s_o
             b_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
                              eviction_policy="evict_first")
     return b_s, b_next
-
-
-def _blocked(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
-    """A coalesced layout for ``[rows, cols]`` loads: 16 bytes a thread along the row."""
-    vec = max(1, 16 // elem_bytes)
-    tpw_c = max(1, min(32, cols // vec))
-    return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
 
 
 def layouts(dtype: torch.dtype, b_k: int, b_v: int, num_warps: int = 4, rows: bool = False, fold: bool = False) -> dict:
@@ -1571,21 +1541,9 @@ def compile_instance(batch: int):
 
 def compile_sm90(fn, args, meta) -> dict:
     """`bole_tune.binaries.binary_report` of Gluon kernel ``fn`` compiled for sm_90 on ``args`` / ``meta``."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
     from bole_tune.binaries import binary_report
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*args, **meta)
-    options, signature, constexprs, attrs = fn._pack_args(backend, dict(meta), bound, specialization, None)
-    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
-    report = binary_report(compiled)
+    report = binary_report(shipped_compile_sm90(args, meta, fn))
     report.pop("ops", None)
     return report
 

@@ -541,16 +541,17 @@ def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=
     gluon_verify_kernel[grid](*args, **meta)
 
 
-def compile_sm90(args: tuple, meta: dict):
-    """The kernel compiled for sm_90 on these (CPU) arguments, without a GPU: Triton's compiled kernel (its
-    ``metadata.shared``, ``asm["cubin"]``), for the CPU tests' check that every mode compiles and fits."""
+def compile_sm90(args: tuple, meta: dict, fn=None):
+    """Gluon kernel ``fn`` (default this one) compiled for sm_90 on these (CPU) arguments, without a GPU: Triton's
+    compiled kernel (its ``metadata.shared``, ``asm["cubin"]``), for the CPU tests' check that every mode compiles
+    and fits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
-    fn = gluon_verify_kernel
+    fn = fn or gluon_verify_kernel
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
