@@ -100,8 +100,10 @@ class LaunchPolicy:
     def gluon(self, variant: str, dtype: torch.dtype, block: int, v_split: int, sweep_f16: bool, fold: bool) -> bool:
         """Whether a launch runs the Gluon verify (`gluon.py`, where the device takes it): resident launches of one
         program per head on ``gluon_block``-row trees (33-64 nodes) of bf16 inputs with fp16 sweeps, the verify or a
-        ring's round (a `PendingCommit` fold stays on the Triton kernel). H200, 9B heads, T=64: B=8 / 16 / 32 verify
-        25.6 / 53.0 / 102.9 us against 29.7 / 57.1 / 110.2 (BENCHMARKS.md, "Nineteenth session"); 0 never."""
+        ring's round (a `PendingCommit` fold stays on the Triton kernel). H200, 9B heads, T=64, against the Triton
+        resident launch in the same run: B=8 / 16 / 32 verify 23.8 / 49.0 / 95.2 us against 29.5 / 56.6 / 109.5, a
+        ring of three rounds 31.4 / 59.9 / 113.9 against 53.7 / 102.4 / 198.8 (BENCHMARKS.md, "Twenty-third
+        session"); ``gluon_block`` 0: never."""
         return (variant == "resident" and block == self.gluon_block and v_split == 1 and sweep_f16
                 and dtype == torch.bfloat16 and not fold)
 
