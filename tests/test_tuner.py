@@ -262,8 +262,9 @@ def test_the_gpu_runner_measures_the_untuned_default_on_the_untuned_kernel(monke
     runner = GPURunner("cpu", repeats=1)
     asked = []
 
-    def launch(self, config=None, variant=None, tuned_on=None, fold=False, ring=False):
+    def launch(self, config=None, variant=None, tuned_on=None, fold=False, ring=False, gluon=None):
         asked.append(variant)
+        assert gluon is False  # the tuner times the Triton kernel's tiles
         return Launch("fused", config, 16, fallback_error=1.0, fallback="stopped here by the test")
 
     monkeypatch.setattr(CaseBench, "launch", launch)
