@@ -8,6 +8,7 @@ kernel only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass, fields
 
@@ -73,7 +74,12 @@ class _Knobs:
         """The knob values joined by '/', in `knobs` order: how recordings and studies name a config."""
         return "/".join(str(getattr(self, k)) for k in self.knobs())
 
+    def knob_values(self) -> dict:
+        """Every knob's value, switches included (what a study's trial holds)."""
+        return asdict(self)
+
     def as_dict(self) -> dict:
+        """The config as files write it (`knob_values`; a subclass may leave a switch out where it is off)."""
         return asdict(self)
 
 
@@ -84,26 +90,55 @@ class KernelConfig(_Knobs):
     b_k: width of the key-dimension chunks the state products walk (divides dk).
     b_v: value columns per program (divides dv); a request's head runs ``dv / b_v`` programs.
     num_warps, num_stages: Triton launch parameters.
+    gluon: 1 to run the Gluon verify (`kernels/verify/gluon.py`: sm_90, bf16 resident launches of 33-64-node
+    trees) with these tiles, where the launch can (`kernels.verify.gluon.tile_refusal` names the tiles it takes:
+    b_k and b_v of 32 or 64, 4 warps, ``num_stages`` 1 or 2 state tiles in flight); elsewhere the Triton kernels
+    run the same tiles. 0: the Triton kernels.
     """
 
     b_k: int
     b_v: int
     num_warps: int = 4
     num_stages: int = 2
+    gluon: int = 0
 
     REQUIRED = ("b_k", "b_v")
+    SWITCHES = ("gluon",)
 
     def __post_init__(self):
         for name in ("b_k", "b_v"):
             _tile("KernelConfig", name, getattr(self, name))
         _launch_knobs("KernelConfig", self.num_warps, self.num_stages)
+        if self.gluon not in (0, 1) or isinstance(self.gluon, bool):
+            raise ValueError(f"KernelConfig.gluon: expected 0 (the Triton kernels) or 1 (the Gluon verify), "
+                             f"got {self.gluon!r}")
+
+    @property
+    def text(self) -> str:
+        """``"b_k/b_v/warps/stages"``, with ``"/1"`` after it for a Gluon config (a Triton config keeps the
+        four-value text it had before the ``gluon`` knob, so recordings and studies that name one still match)."""
+        text = f"{self.b_k}/{self.b_v}/{self.num_warps}/{self.num_stages}"
+        return f"{text}/1" if self.gluon else text
+
+    def as_dict(self) -> dict:
+        """``{b_k, b_v, num_warps, num_stages}``, with ``gluon: 1`` for a Gluon config: a Triton config is written as
+        it was before the knob, so entries and curve points that hold one still match."""
+        data = asdict(self)
+        if not self.gluon:
+            del data["gluon"]
+        return data
+
+    def replace(self, **changes) -> "KernelConfig":
+        """A copy with some knobs changed."""
+        return dataclasses.replace(self, **changes)
 
     def fits(self, dk: int, dv: int) -> bool:
         """Whether the tiles divide the head dimensions."""
         return self.b_k <= dk and dk % self.b_k == 0 and self.b_v <= dv and dv % self.b_v == 0
 
     def __str__(self) -> str:
-        return f"b_k={self.b_k} b_v={self.b_v} warps={self.num_warps} stages={self.num_stages}"
+        return (f"b_k={self.b_k} b_v={self.b_v} warps={self.num_warps} stages={self.num_stages}"
+                f"{' gluon' if self.gluon else ''}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from bole_tune.config import KernelConfig
 from bole_tune.database import ShapeKey
 from bole_tune.kernels import PLANNER, Launch, tree_verify
+from bole_tune.search_space import gluon_bucket_refusal
 from bole_tune.shapes import HeadShape, torch_dtype
 from bole_tune.workloads import make_inputs, make_tree
 
@@ -50,11 +51,12 @@ def precompile(keys: list[ShapeKey], configs: list[KernelConfig], workers: int |
     distinct: dict[tuple, tuple] = {}
     for key in keys:
         for config in configs:
-            if not config.fits(key.heads.dk, key.heads.dv):
+            if not config.fits(key.heads.dk, key.heads.dv) or (config.gluon and gluon_bucket_refusal(config, key)):
                 continue
+            # as the tuner's runner plans it (`GPURunner`): a Gluon config on the Gluon verify, any other on Triton's
             launch = PLANNER.plan(key.heads, torch_dtype(key.dtype), num_requests=key.batch_bucket,
                                   max_tree_size=key.tree_bucket, depth=MAX_DEPTH, device="cuda", config=config,
-                                  check=False, gluon=False)  # the Triton tiles the tuner times (`GPURunner`)
+                                  check=False, ring=key.ring)
             distinct.setdefault((launch, key.heads.dk, key.heads.dv, key.dtype), (key, launch))
     groups: dict[tuple, list[Launch]] = {}
     for key, launch in distinct.values():

@@ -326,7 +326,7 @@ def precompile_candidates(runner, keys: list[ShapeKey], space: SearchSpace, prog
         return 0
     limit = runner.fingerprint().facts.get("max_shared_memory_per_block_bytes")
     configs = [c for c in space.configs()
-               if any(feasible(c, k.heads.dk, k.heads.dv, k.tree_bucket, k.dtype, limit)[0] for k in keys)]
+               if any(feasible(c, k.heads.dk, k.heads.dv, k.tree_bucket, k.dtype, limit, bucket=k)[0] for k in keys)]
     done = [0]
 
     def compiled(total):

@@ -126,11 +126,13 @@ class GPURunner:
         bench = self.bench(key)
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
             warnings.simplefilter("ignore", UserWarning)
-            # the tiles are the Triton kernel's: a launch the planner would give the Gluon verify (fixed tiles) is
-            # timed on the Triton resident kernel, its fallback and the kernel of every other batch
-            launch = bench.launch(config, variant=variant, fold=key.fold, ring=key.ring, gluon=False)
+            # a Gluon config (gluon=1) on the Gluon verify, refused (ValueError: infeasible) where it cannot run;
+            # any other config on the Triton kernels
+            launch = bench.launch(config, variant=variant, fold=key.fold, ring=key.ring, gluon=bool(config.gluon))
         if launch.fallback_error is not None:  # tree_verify would run this config on the fused kernel
             return Measurement("wrong", rel_error=launch.fallback_error, message=launch.fallback)
+        if config.gluon and not launch.gluon:  # the Gluon verify failed its self-check: it would not run
+            return Measurement("wrong", message=launch.fallback)
         if key.ring:  # over R + 1 rounds (a write round among them), then the slots flushed, against float64
             error, state_error = bench.ring_errors(write=launch)
             if not state_error <= accepted_error(torch_dtype(key.dtype)):

@@ -25,16 +25,53 @@ COMMIT_SECTION = "commit"
 def for_device(space: "SearchSpace", facts: dict, kind: str = "gpu") -> "SearchSpace":
     """``space`` as a device with these fingerprint ``facts`` can use it: with its ``tma`` knob held at 0 on a
     device without TMA (a GPU before sm_90, or a CPU), where a ``tma=1`` launch reads by pointers and would only
-    measure the ``tma=0`` one again."""
-    if "tma" not in space.values or space.values["tma"] == (0,):
-        return space
+    measure the ``tma=0`` one again; with its ``gluon`` knob held at 0 off an sm_90 GPU (the Gluon verify's wgmma
+    and TMA are Hopper's: elsewhere a ``gluon=1`` config would time the Triton kernel again)."""
     try:
-        major = int(str(facts.get("compute_capability", "0")).split(".")[0])
+        major, _, minor = str(facts.get("compute_capability", "0")).partition(".")
+        capability = (int(major), int(minor or 0))
     except ValueError:
-        major = 0
-    if kind == "gpu" and major >= 9:
+        capability = (0, 0)
+    held = {}
+    if space.values.get("tma", (0,)) != (0,) and not (kind == "gpu" and capability[0] >= 9):
+        held["tma"] = (0,)
+    if space.values.get("gluon", (0,)) != (0,) and not (kind == "gpu" and capability == (9, 0)):
+        held["gluon"] = (0,)
+    if not held:
         return space
-    return SearchSpace({**space.values, "tma": (0,)}, source=space.source, kind=space.kind)
+    return SearchSpace({**space.values, **held}, source=space.source, kind=space.kind)
+
+
+def gluon_bucket_refusal(config: KernelConfig, key) -> str:
+    """"" when a Gluon config (``gluon=1``) is one the launches of bucket ``key`` (a `ShapeKey`) run on the Gluon
+    verify, else why not: a bucket the planner gives resident launches of one program per head on 64-row blocks
+    (trees of 33-64 nodes) of bf16 inputs with 128-wide heads, not a folded verify's (`LaunchPolicy.gluon`), and
+    tiles its round takes (`tile_refusal`; a ring's write round: its own). The device is `for_device`'s."""
+    from bole_tune.kernels import PLANNER
+    from bole_tune.kernels.verify.gluon import HEAD_DIMS, tile_refusal
+    from bole_tune.kernels.verify.resident import RESIDENT_MAX_NODES
+
+    policy = PLANNER.policy
+    if getattr(key, "fold", False):
+        return "the folded verify (a PendingCommit fold) runs the Triton kernels"
+    if key.dtype != "bf16" or (key.heads.dk, key.heads.dv) != HEAD_DIMS:
+        return f"the Gluon verify takes bf16 inputs with dk, dv = {HEAD_DIMS}"
+    if key.tree_bucket > RESIDENT_MAX_NODES or node_block(key.tree_bucket) != policy.gluon_block:
+        return f"the Gluon verify takes trees of {policy.gluon_block // 2 + 1}-{policy.gluon_block} nodes"
+    if (policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) != "resident"
+            or policy.value_split(key.batch_bucket, key.heads.hv, key.heads.dv, config.b_v) != 1):
+        return "this bucket's launches are not resident launches of one program per head"
+    return tile_refusal(config, "write" if getattr(key, "ring", False) else "verify")
+
+
+def for_key(space: "SearchSpace", key) -> "SearchSpace":
+    """``space`` as bucket ``key`` can use it: its ``gluon`` knob held at 0 where no Gluon config runs on the Gluon
+    verify (`gluon_bucket_refusal`), so a study of any other bucket spends no trial on one."""
+    if space.kind != "verify" or space.values.get("gluon", (0,)) == (0,):
+        return space
+    if any(not gluon_bucket_refusal(c, key) for c in space.configs() if c.gluon):
+        return space
+    return SearchSpace({**space.values, "gluon": (0,)}, source=space.source, kind=space.kind)
 
 
 @dataclass(frozen=True)
@@ -117,21 +154,33 @@ class SearchSpace:
         return n_trials
 
     def contains(self, config) -> bool:
+        """Whether ``config`` is one of `configs` (its knobs' values in the space, and a valid combination)."""
         return (isinstance(config, self.config_type)
-                and all(getattr(config, name) in values for name, values in self.values.items()))
+                and all(getattr(config, name) in values for name, values in self.values.items())
+                and (not getattr(config, "gluon", 0) or not _gluon_tiles_refusal(config)))
 
 
 def _combinations(config_type: type, values: dict) -> list:
     """Every combination of ``values`` that makes a config; a value no combination can use (not a power of two,
-    say) raises the config's ValueError. A commit's ``b_v`` above ``v_span`` only drops that combination."""
+    say) raises the config's ValueError. A commit's ``b_v`` above ``v_span`` only drops that combination, and so
+    does a Gluon config (``gluon=1``) with tiles the Gluon verify does not take."""
     names = list(values)
     configs = []
     for combo in itertools.product(*values.values()):
         data = dict(zip(names, combo))
         if config_type is CommitConfig and data["b_v"] > data["v_span"]:
             continue
-        configs.append(config_type(**data))
+        config = config_type(**data)
+        if getattr(config, "gluon", 0) and _gluon_tiles_refusal(config):  # tiles no Gluon launch takes
+            continue
+        configs.append(config)
     return configs
+
+
+def _gluon_tiles_refusal(config: KernelConfig) -> str:
+    from bole_tune.kernels.verify.gluon import tile_refusal
+
+    return tile_refusal(config, "verify")
 
 
 def shared_memory_estimate(config: KernelConfig, tree_size: int, dtype: str) -> int:
@@ -153,9 +202,13 @@ def commit_shared_memory_estimate(config: CommitConfig) -> int:
 
 
 def feasible(config, dk: int, dv: int, tree_size: int, dtype: str,
-             shared_memory_limit: int | None = None) -> tuple[bool, str]:
+             shared_memory_limit: int | None = None, bucket=None) -> tuple[bool, str]:
     """Whether ``config`` (a `KernelConfig` or a `CommitConfig`) can run on this shape and device; the reason
-    when it cannot."""
+    when it cannot. A Gluon config (``gluon=1``) needs its ``bucket`` (the `ShapeKey`) to take it
+    (`gluon_bucket_refusal`); its shared memory is the compiler's to check."""
+    if getattr(config, "gluon", 0):
+        why = gluon_bucket_refusal(config, bucket) if bucket is not None else "a Gluon config is feasible per bucket"
+        return (False, why) if why else (True, "")
     if not config.fits(dk, dv):
         if isinstance(config, CommitConfig):
             return False, f"tiles b_k={config.b_k}, v_span={config.v_span} do not divide dk={dk}, dv={dv}"

@@ -31,7 +31,7 @@ from bole_tune.config import CommitConfig, KernelConfig, default_commit_config, 
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.kernels import PLANNER
 from bole_tune.runners import DeviceLost, Measurement
-from bole_tune.search_space import SearchSpace, feasible
+from bole_tune.search_space import SearchSpace, feasible, for_key, gluon_bucket_refusal
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -159,6 +159,7 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
     the storage, and everyone stops when the study as a whole has ``n_trials`` finished trials.
     """
     config_type = _check_kind(key, space)
+    space = for_key(space, key)  # the gluon knob held at 0 where no Gluon config runs
     name = study_name(slug, key)
     n_trials = min(n_trials, space.size)  # distinct configs, each measured once: more trials would only repeat
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
@@ -177,7 +178,7 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
                   + warm[1:] + kernel_starts(key))
         for config in dict.fromkeys(starts):  # in order, once each
             if space.contains(config):
-                study.enqueue_trial(config.as_dict(), skip_if_exists=True)
+                study.enqueue_trial(config.knob_values(), skip_if_exists=True)
     measured: dict = {}
 
     def known(text: str) -> Measurement | None:
@@ -205,7 +206,8 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
         if m is not None:
             trial.set_user_attr("repeat_of_earlier_trial", True)
         else:
-            ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+            ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit,
+                                  bucket=key)
             if not ok:
                 trial.set_user_attr("status", "pruned")
                 trial.set_user_attr("reason", reason)
@@ -248,26 +250,35 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
             done = len(study.get_trials(deepcopy=False, states=FINISHED))
             if done >= n_trials:
                 break
-            tried = {"/".join(str(t.params[k]) for k in config_type.knobs()) for t in study.get_trials(deepcopy=False)
+            tried = {_trial_text(config_type, t.params) for t in study.get_trials(deepcopy=False)
                      if set(t.params) == set(config_type.knobs())}
             steps = []
             # the best first; the runners-up once its neighbours are done
             for center in _ranked_configs(study, config_type):
                 steps = [c for c in step_neighbours(center, space) if c.text not in tried and
-                         feasible(c, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)[0]]
+                         feasible(c, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit,
+                                  bucket=key)[0]]
                 if steps:
                     break
             if not steps:
                 break
             steps = steps[:n_trials - done]
             for config in steps:
-                study.enqueue_trial(config.as_dict(), skip_if_exists=True)
+                study.enqueue_trial(config.knob_values(), skip_if_exists=True)
             run_until(done + len(steps))
         run_until(n_trials)
     if lost:
         raise DeviceLost(f"{lost[0]} (recorded in study {name}; run the same command again to resume)")
     record_untuned_default(runner, study, key, default)
     return _result(study, key, name, default)
+
+
+def _trial_text(config_type: type, params: dict) -> str:
+    """A trial's config as `text` names it; a combination that makes no config (pruned) by its values joined."""
+    try:
+        return config_type.from_dict(params).text
+    except ValueError:
+        return "/".join(str(params[k]) for k in config_type.knobs())
 
 
 UNTUNED_ATTR = "untuned_default"
@@ -351,16 +362,17 @@ def _ranked_configs(study, config_type: type = KernelConfig) -> list:
 def switch_twins(config, space: SearchSpace) -> list:
     """``config`` with one of its on/off knobs (its class's ``SWITCHES``) turned the other way, for each such knob
     the space lets take both values."""
-    values = config.as_dict()
+    values = config.knob_values()
     return [type(config)(**{**values, name: other}) for name in type(config).SWITCHES
             for other in space.values.get(name, ()) if other != values[name]]
 
 
 def step_neighbours(config, space: SearchSpace) -> list:
     """Configs one step away in one parameter (the next smaller or larger value of the space); a step that
-    makes no config (a commit's b_v above its v_span) is skipped."""
+    makes no config of the space (a commit's b_v above its v_span, a Gluon config of tiles it does not take) is
+    skipped."""
     found = []
-    values = config.as_dict()
+    values = config.knob_values()
     for name, choices in space.values.items():
         choices = sorted(choices)
         if values[name] not in choices:
@@ -369,9 +381,11 @@ def step_neighbours(config, space: SearchSpace) -> list:
         for j in (i - 1, i + 1):
             if 0 <= j < len(choices):
                 try:
-                    found.append(type(config)(**{**values, name: choices[j]}))
+                    step = type(config)(**{**values, name: choices[j]})
                 except ValueError:
                     continue
+                if space.contains(step):  # a Gluon config with tiles the Gluon verify does not take is none
+                    found.append(step)
     return found
 
 
@@ -425,6 +439,10 @@ RESIDENT_STARTS = (KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 1), Kerne
 STREAM_STARTS = (KernelConfig(32, 128, 4, 3), KernelConfig(32, 128, 4, 2), KernelConfig(64, 128, 4, 3))
 # the folded stream launch's best tiles with its state products as S Q^T (lab/rows_first.py, 9B B=16-32, T=4-16)
 FOLD_STREAM_STARTS = (KernelConfig(32, 64, 2, 3), KernelConfig(32, 128, 2, 2))
+# every Gluon config of the shipped space, where the bucket runs the Gluon verify (on sm_90: `for_device`): a handful,
+# each its own kernel, and a sampler that draws the gluon knob at random seldom meets them with tiles it takes
+GLUON_STARTS = tuple(KernelConfig(b_k, b_v, 4, stages, gluon=1) for b_k in (32, 64) for b_v in (64, 32)
+                     for stages in (2, 1))
 
 
 def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
@@ -435,7 +453,8 @@ def kernel_starts(key: ShapeKey | CommitKey) -> list[KernelConfig]:
     starts = {"resident": RESIDENT_STARTS, "stream": STREAM_STARTS}.get(variant, ())
     if variant == "stream" and (key.fold or key.ring):  # a ring's write round folds too
         starts = FOLD_STREAM_STARTS + starts
-    return [c for c in starts if c.fits(key.heads.dk, key.heads.dv)]
+    gluon = [c for c in GLUON_STARTS if not gluon_bucket_refusal(c, key)]
+    return [c for c in starts if c.fits(key.heads.dk, key.heads.dv)] + gluon
 
 
 def warm_starts(key: ShapeKey, tuned: dict) -> list[KernelConfig]:
@@ -474,8 +493,9 @@ def exhaustive_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, sha
     """Measure every feasible config of the space on one bucket (the yardstick for the tuner)."""
     _check_kind(key, space)
     results = {}
-    for config in space.configs():
-        ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit)
+    for config in for_key(space, key).configs():
+        ok, reason = feasible(config, key.heads.dk, key.heads.dv, key.tree_bucket, key.dtype, shared_memory_limit,
+                              bucket=key)
         m = runner.measure(key, config) if ok else Measurement("infeasible", message=reason)
         results[config.text] = m
         if on_trial:

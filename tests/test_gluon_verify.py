@@ -19,7 +19,10 @@ from bole_tune.kernels.reference import verify_reference
 from bole_tune.kernels.verify import gluon as gluon_module
 from bole_tune.kernels.verify import planner as planner_module
 from bole_tune.kernels.verify.planner import H200_POLICY, Launch, Planner
+from bole_tune.kernels.verify.ring import RingRead, RingRound
+from bole_tune.search_space import SearchSpace
 from bole_tune.shapes import HeadShape
+from bole_tune.tuner import GLUON_STARTS
 from bole_tune.workloads import make_inputs, make_tree
 from helpers import TOLERANCE, assert_close
 from test_folded_commit import accepted_of
@@ -60,6 +63,52 @@ def test_planner_sends_64_node_resident_launches_to_gluon(sm90):
     assert not _plan(planner, gluon=False).gluon  # what the tuner times
     launch = _plan(planner)
     assert (launch.variant, launch.v_split, launch.state_split, launch.sweep_f16) == ("resident", 1, True, True)
+
+
+def _tuned(config, variant="resident"):
+    def source(heads, dtype, max_tree_size, num_requests, device, fold=False, ring=False):
+        return config, variant
+    return source
+
+
+def test_the_tuned_config_decides_the_gluon_launch_and_its_tiles(sm90):
+    """A bucket's tuned config says whether its launches run the Gluon verify (gluon=1) and with which tiles; a Triton
+    config runs the Triton kernel; an untuned bucket runs the Gluon verify with the untuned tiles."""
+    tuned = KernelConfig(64, 32, 4, 1, gluon=1)
+    launch = _plan(Planner(config_source=_tuned(tuned)))
+    assert launch.gluon and launch.config == tuned and (launch.variant, launch.v_split) == ("resident", 1)
+    triton = _plan(Planner(config_source=_tuned(KernelConfig(32, 64, 4, 3))))
+    assert not triton.gluon and triton.config == KernelConfig(32, 64, 4, 3)
+    untuned = _plan(Planner(config_source=_source))
+    assert untuned.gluon and untuned.config == gluon_module.UNTUNED_CONFIG
+    # a write round folds 64-row state tiles: 64/32 runs on Triton's kernel there, with the same tiles
+    write = _plan(Planner(config_source=_tuned(tuned)), ring=True)
+    assert not write.gluon and write.config == KernelConfig(64, 32, 4, 1)
+    assert _plan(Planner(config_source=_tuned(KernelConfig(64, 64, 4, 2, gluon=1))), ring=True).gluon
+    # tiles the Gluon verify does not take (128-wide key chunks, 8 warps, 3 stages): the Triton kernel, same tiles
+    for config in (KernelConfig(128, 32, 4, 2, gluon=1), KernelConfig(32, 64, 8, 2, gluon=1),
+                   KernelConfig(32, 64, 4, 3, gluon=1)):
+        launch = _plan(Planner(config_source=_source), config=config, tuned_on="resident")
+        assert not launch.gluon and launch.config == config.replace(gluon=0), config
+        with pytest.raises(ValueError, match="gluon: .*the Gluon verify (takes tiles|runs 4 warps|keeps 1 or 2)"):
+            _plan(Planner(config_source=_source), config=config, tuned_on="resident", gluon=True)
+    # gluon=False: the Triton kernel with a Gluon config's tiles (the switch off in the launch's config)
+    off = _plan(Planner(config_source=_tuned(tuned)), gluon=False)
+    assert not off.gluon and off.config == tuned.replace(gluon=0)
+    # a Gluon config where the bucket's launches are not resident ones of one program per head: the fused kernel
+    fused = _plan(Planner(config_source=_tuned(tuned, "fused")), batch=1)
+    assert fused.variant == "fused" and not fused.gluon and fused.config.gluon == 0
+
+
+def test_gluon_tiles_are_refused_by_name():
+    refusal = gluon_module.tile_refusal
+    for config in GLUON_STARTS:
+        assert refusal(config, "verify") == "" and refusal(config, "read") == ""
+        assert (refusal(config, "write") == "") is (config.b_v == 64)
+    assert "b_k, b_v in (32, 64), not 16/64" in refusal(KernelConfig(16, 64, 4, 2, gluon=1))
+    assert "4 warps" in refusal(KernelConfig(32, 64, 2, 2, gluon=1))
+    assert "not 3" in refusal(KernelConfig(32, 64, 4, 3, gluon=1))
+    assert "b_v = 32" in refusal(KernelConfig(32, 32, 4, 2, gluon=1), "write")
 
 
 def test_planner_never_sends_a_launch_to_gluon_off_sm90():
@@ -133,11 +182,16 @@ def test_gluon_takes_only_what_it_was_built_for():
     aligned = torch.zeros(64, 16 * 128 * 3 + 8, dtype=BF16)
     assert takes(q=aligned[:, :2048].view(64, 16, 128), k=aligned[:, 2048:4096].view(64, 16, 128))
     assert not takes(k=aligned[:, 2049:4097].view(64, 16, 128))  # an odd element offset
+    assert not takes(launch=launch.replace(config=KernelConfig(128, 32, 4, 2, gluon=1)))  # tiles it does not take
     tree = make_tree([8], device="cpu")
     for rounds, expected in ((3, True), (4, False)):  # 9-node paths: R = 3 -> width 32, R = 4 -> 64
         ring = PendingRing(4, rounds, 9, capacity=64, max_requests=4, device="cpu")
         read = ring.begin(tree).layer(ring.results(HEADS_9B, BF16))
         assert takes(ring=read) is expected
+    ring = PendingRing(4, 3, 9, capacity=64, max_requests=4, device="cpu")
+    write = RingRead(RingRound(ring, tree, 0, True), ring.results(HEADS_9B, BF16))  # a write round
+    assert takes(ring=write)
+    assert not takes(ring=write, launch=launch.replace(config=KernelConfig(64, 32, 4, 2, gluon=1)))  # 32-row tiles
 
 
 def test_every_mode_compiles_for_sm90_within_two_programs_an_sm():
@@ -158,6 +212,29 @@ def test_every_mode_compiles_for_sm90_within_two_programs_an_sm():
         assert row["registers"] <= 255, (mode, row)
         assert row["shared"] <= TWO_PROGRAMS_AN_SM, (mode, row)
         assert row["stack"] <= 64, (mode, row)  # a few spilled bytes at most (255 registers a thread)
+
+
+def test_every_gluon_config_of_the_search_space_compiles_for_sm90():
+    """Each Gluon config the tuner may try (its tiles and stages), in each mode its tiles take, compiles for sm_90 and
+    fits one program in an SM's shared memory (what it costs is the tuner's to measure)."""
+    tools = binaries.missing_tools()
+    if tools:
+        pytest.skip(f"Triton's wheel here ships no {', '.join(tools)}: nothing to compile with")
+    configs = [c for c in SearchSpace.load().configs() if c.gluon and c != gluon_module.UNTUNED_CONFIG]
+    assert {c.text for c in configs} == {c.text for c in GLUON_STARTS} - {gluon_module.UNTUNED_CONFIG.text}
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from bole_tune.config import KernelConfig; from bole_tune.kernels.verify.gluon import "
+            "compile_report; print(json.dumps({t: compile_report(config=KernelConfig.from_text(t)) for t in %r}))"
+            % [c.text for c in configs])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for config in configs:
+        modes = report[config.text]
+        assert set(modes) == {m for m in ("verify", "read", "write") if not gluon_module.tile_refusal(config, m)}
+        for mode, row in modes.items():
+            assert row["num_warps"] == 4 and row["registers"] <= 255, (config.text, mode, row)
+            assert row["shared"] <= 232448 - 1024, (config.text, mode, row)  # one program an SM at least
 
 
 # ------------------------------------------------------------------------------------------------ on the H200
@@ -194,11 +271,27 @@ def test_gluon_verify_and_commit_match_the_reference(sizes):
 
 
 @requires_sm90
-@pytest.mark.parametrize("rounds,batch", [(3, 16), (2, 8), (1, 8)])
-def test_gluon_ring_rounds_match_the_recurrence(rounds, batch):
+@pytest.mark.parametrize("config", GLUON_STARTS, ids=lambda c: c.text)
+def test_every_gluon_config_matches_the_reference(config):
+    """Each Gluon config the tuner may record (its tiles, and 1 or 2 state tiles in flight): the verify against float64."""
+    tree, x = _inputs([33, 64, 40, 57, 64, 48, 35, 61], seed=7)
+    launch = plan_launch(HEADS_9B, BF16, num_requests=tree.num_requests, max_tree_size=tree.max_tree_size,
+                         depth=tree.depth, device="cuda", config=config, tuned_on="resident")
+    assert launch.gluon and launch.config == config, launch
+    res = tree_verify(*x.args(tree), launch=launch)
+    assert_close(res.o, verify_reference(*x.args(tree)).o, TOLERANCE[BF16], f"outputs with {config.text}")
+
+
+@requires_sm90
+@pytest.mark.parametrize("rounds,batch,config", [(3, 16, None), (2, 8, KernelConfig(64, 64, 4, 1, gluon=1)),
+                                                 (1, 8, KernelConfig(32, 64, 4, 1, gluon=1)),
+                                                 (3, 8, KernelConfig(64, 32, 4, 2, gluon=1))],
+                         ids=lambda p: p.text if isinstance(p, KernelConfig) else str(p))
+def test_gluon_ring_rounds_match_the_recurrence(rounds, batch, config):
     """A `PendingRing` over consecutive rounds of 33-64-node trees, every round's read or write on the Gluon kernel
     (tables of width 16-32): outputs, untouched pools in read rounds, written slots in write rounds, and the pool
-    after the last flush, against the float64 recurrence; requests accept none, the root, the deepest or any node."""
+    after the last flush, against the float64 recurrence; requests accept none, the root, the deepest or any node.
+    ``config``: the database's (None) or these Gluon tiles (32-row value tiles: the write rounds on Triton's kernel)."""
     rng = random.Random(rounds)
     num_slots = 2 * batch
     ring = PendingRing(num_slots, rounds, 9, capacity=64 * batch, max_requests=batch, device="cuda")
@@ -213,10 +306,15 @@ def test_gluon_ring_rounds_match_the_recurrence(rounds, batch):
         tree, x = _inputs([rng.randint(33, 64) for _ in range(batch)], seed=200 + index)
         step = ring.begin(tree)
         launch = plan_launch(HEADS_9B, BF16, num_requests=batch, max_tree_size=tree.max_tree_size, depth=tree.depth,
-                             device="cuda", ring=step.write)
-        assert launch.gluon, launch
+                             device="cuda", ring=step.write, config=config, tuned_on="resident" if config else None)
+        if config is not None and gluon_module.tile_refusal(config, "write" if step.write else "read"):
+            assert not launch.gluon and launch.config == config.replace(gluon=0), launch
+            continue_on_triton = True
+        else:
+            assert launch.gluon, launch
+            continue_on_triton = False
         assert gluon_module.gluon_takes(launch, x.q, x.k, x.v, pool, type("Shape", (), {"heads": HEADS_9B})(),
-                                        ring=step.layer(arena))  # the Gluon kernel runs each round, not Triton's
+                                        ring=step.layer(arena)) is not continue_on_triton  # which kernel runs
         before = pool.clone()
         res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, launch=launch, ring=step.layer(arena))
         ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)

@@ -59,7 +59,9 @@ def test_step_neighbours_change_one_parameter_by_one_step():
     found = step_neighbours(KernelConfig(32, 64, 4, 2), SPACE)
     assert set(found) == {KernelConfig(16, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(32, 32, 4, 2),
                           KernelConfig(32, 128, 4, 2), KernelConfig(32, 64, 2, 2), KernelConfig(32, 64, 8, 2),
-                          KernelConfig(32, 64, 4, 1), KernelConfig(32, 64, 4, 3)}
+                          KernelConfig(32, 64, 4, 1), KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 4, 2, gluon=1)}
+    # the gluon switch turned on only where the Gluon verify takes the tiles (not 3 stages)
+    assert KernelConfig(32, 64, 4, 3, gluon=1) not in step_neighbours(KernelConfig(32, 64, 4, 3), SPACE)
     # at the edge of the space only the inner side exists
     assert KernelConfig(16, 16, 2, 1) not in step_neighbours(KernelConfig(16, 16, 2, 1), SPACE)
     assert len(step_neighbours(KernelConfig(16, 16, 2, 1), SPACE)) == 4
@@ -173,11 +175,14 @@ def test_bad_recording_is_refused(tmp_path):
 
 def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
     """A bucket that runs on the resident kernel seeds its study with that kernel's lab-best tiles."""
-    from bole_tune.tuner import FOLD_STREAM_STARTS, RESIDENT_STARTS, STREAM_STARTS, kernel_starts
+    from bole_tune.tuner import FOLD_STREAM_STARTS, GLUON_STARTS, RESIDENT_STARTS, STREAM_STARTS, kernel_starts
 
     resident = shape_key()
     fused = shape_key(tree=128)
-    assert kernel_starts(resident) == list(RESIDENT_STARTS) and kernel_starts(fused) == []
+    # a bf16 bucket of 64-node trees on the resident kernel: then every Gluon config (held at 0 off sm_90)
+    assert kernel_starts(resident) == list(RESIDENT_STARTS + GLUON_STARTS) and kernel_starts(fused) == []
+    assert kernel_starts(dataclasses.replace(resident, dtype="fp16")) == list(RESIDENT_STARTS)
+    assert kernel_starts(dataclasses.replace(resident, fold=True)) == list(RESIDENT_STARTS)
     assert kernel_starts(shape_key(tree=8)) == list(STREAM_STARTS)  # B=16 T=8: the state-first order
     # its folded launch (state products as S Q^T) starts from that launch's own best tiles first
     folded = kernel_starts(dataclasses.replace(shape_key(tree=8), fold=True))
@@ -190,8 +195,10 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
             return super().measure(key, config)
 
     tune_bucket(Logged(write_recording(tmp_path / "rec.json")), resident, SPACE, storage(tmp_path),
-                1 + len(RESIDENT_STARTS), "replay-gpu")
-    assert measured[1:] == list(RESIDENT_STARTS), measured
+                2 + len(RESIDENT_STARTS), "replay-gpu")
+    # the default, its Gluon twin (the switch turned on), then the resident kernel's tiles
+    assert measured[0] == KernelConfig(64, 32, 4, 2) and measured[1] == KernelConfig(64, 32, 4, 2, gluon=1)
+    assert measured[2:] == list(RESIDENT_STARTS), measured
 
 
 def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeypatch):

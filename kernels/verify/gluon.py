@@ -49,13 +49,21 @@ except ImportError as error:  # another Triton: the Triton kernels run
     gluon = None
     GLUON_IMPORT_ERROR = f"Gluon is not importable from this Triton ({error})"
 
+from bole_tune.config import KernelConfig
+
 from ..common import LOG_DECAY_FLOOR
 
 B_T = 64
 """Rows a program solves: trees of at most 64 nodes (the planner sends it trees of 33-64)."""
-B_K, B_V = 32, 64
-"""The tiles (H200, 9B heads, B=8 / 16 / 32 T=64: 25.6 / 53.0 / 102.9 us against 29.7 / 57.1 / 110.2 for the Triton
-resident kernel; 32/32 and 64/32 were slower at B=8-16)."""
+TILES = (32, 64)
+"""The ``b_k`` and ``b_v`` the kernel takes (`tile_refusal`): its tiles are a `KernelConfig`'s (``gluon=1``), tuned per
+bucket like the Triton kernels' (profiles/search_space.yaml) and read from the tuning database by the planner."""
+STAGES = (1, 2)
+"""State tiles in flight (``num_stages``): 1 loads each ``[b_v, b_k]`` tile when its products start, 2 issues the next
+tile's load before the current tile's products."""
+UNTUNED_CONFIG = KernelConfig(32, 64, 4, 2, gluon=1)
+"""What a bucket without a tuned entry runs on this kernel (`planner.Planner.plan`): not a tuned value but the tiles
+its first version was written and measured with (BENCHMARKS.md, "Twenty-third session"); a tuned entry replaces it."""
 HEAD_DIMS = (128, 128)
 """``(dk, dv)`` this path was measured and checked on (Qwen3.5 / Qwen3-Next GDN heads)."""
 MAX_RING_WIDTH = 32
@@ -78,6 +86,22 @@ def gluon_ready(device) -> str:
     return ""
 
 
+def tile_refusal(config, mode: str = "verify") -> str:
+    """"" when the kernel runs ``config``'s tiles in ``mode`` ("verify", "read", "write"), else why not: ``b_k`` and
+    ``b_v`` in `TILES`, 4 warps (one warpgroup: every wgmma is the whole program's), ``num_stages`` in `STAGES`; a
+    write round's ``b_v`` 64 (its fold's state tiles are wgmma accumulators, 64 rows)."""
+    if config.b_k not in TILES or config.b_v not in TILES:
+        return f"the Gluon verify takes tiles b_k, b_v in {TILES}, not {config.b_k}/{config.b_v}"
+    if config.num_warps != 4:
+        return f"the Gluon verify runs 4 warps (one warpgroup), not {config.num_warps}"
+    if config.num_stages not in STAGES:
+        return f"the Gluon verify keeps {' or '.join(map(str, STAGES))} state tiles in flight, not {config.num_stages}"
+    if mode == "write" and config.b_v != 64:
+        return (f"a ring's write round on the Gluon verify folds [64, b_k] state tiles (a wgmma's 64 rows), "
+                f"not b_v = {config.b_v}")
+    return ""
+
+
 if gluon is not None:
 
     @gluon.jit
@@ -92,7 +116,7 @@ if gluon is not None:
         stride_s_slot, stride_s_h, stride_s_v,
         D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, B_K: gl.constexpr, B_V: gl.constexpr,
         G_FLOOR: gl.constexpr, MODE: gl.constexpr, B_P: gl.constexpr, COALESCE: gl.constexpr,
-        ALIAS_R: gl.constexpr,
+        ALIAS_R: gl.constexpr, PREFETCH: gl.constexpr,
         MMA: gl.constexpr, MMA_V: gl.constexpr, MMA_P: gl.constexpr, LD: gl.constexpr, LD_S: gl.constexpr,
         LD_V: gl.constexpr, LD_U: gl.constexpr, LD_O: gl.constexpr, LD_P: gl.constexpr, LD_UP: gl.constexpr,
         LD_KP: gl.constexpr, LD_W: gl.constexpr,
@@ -284,9 +308,12 @@ if gluon is not None:
         zeros_v = gl.zeros([B_V, B_K], gl.float32, layout=LD_S)
         zeros_o = gl.zeros([B_T, B_V], gl.float32, layout=MMA_V)
         if FOLD:
-            # the folded tiles leave by TMA from one staging buffer in the bytes of X (free once the factors are solved)
-            gl.static_assert(B_V * B_K == B_T * B_T // 2, "a state tile the size of X")
-            s_out = x_smem._reinterpret(gl.float32, [B_V, B_K], S32_SHARED)
+            # the folded tiles leave by TMA from one staging buffer, in the bytes of X (free once the factors are
+            # solved) where a tile is X's size
+            if B_V * B_K == B_T * B_T // 2:
+                s_out = x_smem._reinterpret(gl.float32, [B_V, B_K], S32_SHARED)
+            else:
+                s_out = gl.allocate_shared_memory(gl.float32, [B_V, B_K], S32_SHARED)
         A_FOLD: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD_S, k_width=2)
         for t in gl.static_range(NV):
             b_qs = zeros_o
@@ -300,11 +327,15 @@ if gluon is not None:
                 up_hi, up_mid, up_lo = fold_operands(u32_smem.index(t).permute((1, 0)).load(LD_P), weight_pc, A_FOLD)
             for c in gl.static_range(NK):
                 n = t * NK + c
-                # the next tile's load, issued before this tile's products (the last one wraps to the first: unused)
-                t_next = ((n + 1) % (NV * NK)) // NK
-                c_next = (n + 1) % NK
-                b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
-                                   eviction_policy="evict_first")
+                if PREFETCH:
+                    # the next tile's load, issued before this tile's products (the last one wraps to the first:
+                    # unused)
+                    t_next = ((n + 1) % (NV * NK)) // NK
+                    c_next = (n + 1) % NK
+                    b_s_next = gl.load(p_state + t_next * B_V * stride_s_v + c_next * B_K + s_offsets,
+                                       eviction_policy="evict_first")
+                elif n > 0:  # this tile's load, now (the first one was issued before the factors)
+                    b_s = gl.load(p_state + t * B_V * stride_s_v + c * B_K + s_offsets, eviction_policy="evict_first")
                 if FOLD:
                     # S' = exp(L) S + sum_j (w_j u_j) k_j^T on this tile (LD_S is the wgmma accumulator layout here):
                     # the update does not depend on S, so the next chunk's is issued before this tile's products
@@ -337,7 +368,8 @@ if gluon is not None:
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(0).permute((1, 0)), b_ks, is_async=True)
                 b_ks = warpgroup_mma(k_smem.index(c), s_smem.index(1).permute((1, 0)), b_ks, is_async=True)
                 b_qs, b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_qs, b_ks))
-                b_s = b_s_next
+                if PREFETCH:
+                    b_s = b_s_next
             if RING:
                 b_qs = b_qs * ring_c
                 b_ks = b_ks * ring_c
@@ -466,8 +498,9 @@ if gluon is not None:
         tpw_c = max(1, min(32, cols // vec))
         return gl.BlockedLayout([1, vec], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
 
-    def layouts(dtype: torch.dtype, mode: int, b_p: int) -> dict:
-        """The kernel's layout constants for 16-bit inputs of ``dtype``, in ``mode``, with ring tables ``b_p`` wide."""
+    def layouts(dtype: torch.dtype, mode: int, b_p: int, B_K: int, B_V: int) -> dict:
+        """The kernel's layout constants for 16-bit inputs of ``dtype``, in ``mode``, with ring tables ``b_p`` wide and
+        ``[B_V, B_K]`` state tiles."""
         g16 = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         nvmma = gl.NVMMASharedLayout.get_default_for
         mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, B_T, 16])
@@ -495,28 +528,29 @@ MODE_OPTIONS = {0: dict(COALESCE=True, ALIAS_R=False), 1: dict(COALESCE=True, AL
                 2: dict(COALESCE=False, ALIAS_R=True)}
 """Each mode's switches, as measured best on the H200 (BENCHMARKS.md, twentieth to twenty-second sessions): the
 verify and the read round store u and o through row-contiguous layouts; the write round keeps the accumulator's
-layout for them and puts ``R'`` in the state parts' bytes (its shared memory then fits two programs an SM)."""
+layout for them and puts ``R'`` in the state parts' bytes where they are its size (``b_k = 32``: its shared memory
+then fits two programs an SM)."""
 
 _descriptors: dict = {}
 
 
-def _pool_descriptor(state: torch.Tensor):
-    """The pool's TMA descriptor (a ``[-1, dk]`` view, ``[B_V, B_K]`` fp32 blocks), kept per pool."""
-    key = (state.data_ptr(), tuple(state.shape), state.device)
+def _pool_descriptor(state: torch.Tensor, b_k: int, b_v: int):
+    """The pool's TMA descriptor (a ``[-1, dk]`` view, ``[b_v, b_k]`` fp32 blocks), kept per pool and tile."""
+    key = (state.data_ptr(), tuple(state.shape), state.device, b_k, b_v)
     desc = _descriptors.get(key)
     if desc is None:
         if len(_descriptors) >= 256:
             _descriptors.clear()
         pool = state.view(-1, state.shape[-1])
-        layout = gl.NVMMASharedLayout.get_default_for([B_V, B_K], gl.float32)
-        desc = _descriptors[key] = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [B_V, B_K], layout)
+        layout = gl.NVMMASharedLayout.get_default_for([b_v, b_k], gl.float32)
+        desc = _descriptors[key] = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [b_v, b_k], layout)
     return desc
 
 
-def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=None) -> tuple:
-    """(grid, args, meta) of one launch writing into ``res``; ``ring`` a `RingRead` (mode 1 or 2 by its round) or
-    None (the verify)."""
-    h = shape.heads
+def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring=None) -> tuple:
+    """(grid, args, meta) of one launch writing into ``res`` with ``config``'s tiles (`tile_refusal` of its mode
+    empty); ``ring`` a `RingRead` (mode 1 or 2 by its round) or None (the verify)."""
+    h, b_k, b_v = shape.heads, config.b_k, config.b_v
     block_depth, _ = tree.block_depths(B_T)
     if ring is None:
         mode, b_p = MODES["verify"], 16
@@ -527,17 +561,20 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=N
         tables = (table.rows, table.last, arena.u, arena.k, arena.k_scale, arena.log_decay)
     sq, sk, sv, sg, sb, ss = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), state.stride()
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
-            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state), *tables,
+            res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state, b_k, b_v), *tables,
             shape.scale, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1],
             ss[0], ss[1], ss[2])
-    meta = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=B_K, B_V=B_V, G_FLOOR=LOG_DECAY_FLOOR, MODE=mode, B_P=b_p,
-                **MODE_OPTIONS[mode], **layouts(q.dtype, mode, b_p), num_warps=4)
+    options = dict(MODE_OPTIONS[mode])
+    options["ALIAS_R"] = options["ALIAS_R"] and 2 * b_k == B_T  # R' in the state parts' bytes where they are its size
+    meta = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, MODE=mode, B_P=b_p,
+                PREFETCH=config.num_stages >= 2, **options, **layouts(q.dtype, mode, b_p, b_k, b_v), num_warps=4)
     return (h.hv, shape.num_requests), args, meta
 
 
-def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring=None) -> None:
-    """One launch on inputs `run.run_launch` has checked and `gluon_takes` accepted, writing into ``res``."""
-    grid, args, meta = launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, ring)
+def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring=None) -> None:
+    """One launch with ``config``'s tiles on inputs `run.run_launch` has checked and `gluon_takes` accepted, writing
+    into ``res``."""
+    grid, args, meta = launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring)
     gluon_verify_kernel[grid](*args, **meta)
 
 
@@ -565,11 +602,13 @@ def gluon_takes(launch, q, k, v, state, shape, ring=None, pending=None) -> bool:
     Triton kernels fold a `PendingCommit`), a ring table at most `MAX_RING_WIDTH` wide, the head dims it was
     measured on, the pool contiguous (its TMA view), and q, k, v and the pool 16-byte aligned with rows of whole
     16 bytes (the cp.async copies and the TMA descriptor move 16 bytes a thread; a view that is not, such as q cut
-    at an odd offset out of a fused projection, runs the Triton kernel). q, k and v come with their last stride 1
-    (`run_launch`)."""
+    at an odd offset out of a fused projection, runs the Triton kernel), and the config's tiles ones this round's
+    mode takes (`tile_refusal`). q, k and v come with their last stride 1 (`run_launch`)."""
     if not launch.gluon or pending is not None:
         return False
     if ring is not None and ring.step.ring.width > MAX_RING_WIDTH:
+        return False
+    if tile_refusal(launch.config, "verify" if ring is None else "write" if ring.step.write else "read"):
         return False
     if (shape.heads.dk, shape.heads.dv) != HEAD_DIMS or not state.is_contiguous():
         return False
@@ -579,10 +618,11 @@ def gluon_takes(launch, q, k, v, state, shape, ring=None, pending=None) -> bool:
     return state.data_ptr() % 16 == 0
 
 
-def compile_report(width: int = MAX_RING_WIDTH) -> dict:
+def compile_report(width: int = MAX_RING_WIDTH, config=None) -> dict:
     """Each mode compiled for sm_90 here, without a GPU (a process without ``TRITON_INTERPRET``), on four 64-node
-    trees of Qwen3.5-9B heads in bf16 with ring tables ``width`` wide: mode -> `bole_tune.binaries.binary_report`
-    (registers, spilled bytes, shared memory) without its instruction counts."""
+    trees of Qwen3.5-9B heads in bf16 with ring tables ``width`` wide and ``config``'s tiles (default
+    `UNTUNED_CONFIG`): mode -> `bole_tune.binaries.binary_report` (registers, spilled bytes, shared memory) without
+    its instruction counts; a mode whose tiles `tile_refusal` refuses is left out."""
     from bole_tune.binaries import binary_report
     from bole_tune.shapes import HeadShape
     from bole_tune.workloads import make_inputs, make_tree
@@ -597,10 +637,12 @@ def compile_report(width: int = MAX_RING_WIDTH) -> dict:
     res = result_buffers(shape, torch.bfloat16, "cpu", tree, None)
     ring = PendingRing(x.state.shape[0], 1, width, capacity=tree.num_nodes, max_requests=4, device="cpu")
     arena = ring.results(heads, torch.bfloat16)
-    out = {}
+    out, config = {}, config or UNTUNED_CONFIG
     for mode, write in (("verify", None), ("read", False), ("write", True)):
+        if tile_refusal(config, mode):
+            continue
         rr = None if write is None else RingRead(RingRound(ring, tree, 0, write), arena)
-        _, args, meta = launch_args(*x.args(tree)[:7], tree, shape, res, rr)
+        _, args, meta = launch_args(*x.args(tree)[:7], tree, shape, res, config, rr)
         report = binary_report(compile_sm90(args, meta))
         report.pop("ops", None)
         out[mode] = report

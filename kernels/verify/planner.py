@@ -38,7 +38,8 @@ from bole_tune.config import KernelConfig, default_config, node_block
 from bole_tune.shapes import HeadShape, batch_bucket, tree_bucket
 
 from .gluon import HEAD_DIMS as GLUON_HEAD_DIMS
-from .gluon import gluon_ready
+from .gluon import UNTUNED_CONFIG as GLUON_UNTUNED_CONFIG
+from .gluon import gluon_ready, tile_refusal
 from .resident import RESIDENT_MAX_NODES
 
 VARIANTS = ("fused", "resident", "stream")
@@ -98,9 +99,10 @@ class LaunchPolicy:
     gluon_block: int = 64
 
     def gluon(self, variant: str, dtype: torch.dtype, block: int, v_split: int, sweep_f16: bool, fold: bool) -> bool:
-        """Whether a launch runs the Gluon verify (`gluon.py`, where the device takes it): resident launches of one
+        """Whether a launch may run the Gluon verify (`gluon.py`, where its config asks for it or its bucket is
+        untuned, and the device and the tiles take it): resident launches of one
         program per head on ``gluon_block``-row trees (33-64 nodes) of bf16 inputs with fp16 sweeps, the verify or a
-        ring's round (a `PendingCommit` fold stays on the Triton kernel). H200, 9B heads, T=64, against the Triton
+        ring's round (a `PendingCommit` fold stays on the Triton kernel). H200, 9B heads, T=64, 32/64 tiles, against the Triton
         resident launch in the same run: B=8 / 16 / 32 verify 23.8 / 49.0 / 95.2 us against 29.5 / 56.6 / 109.5, a
         ring of three rounds 31.4 / 59.9 / 113.9 against 53.7 / 102.4 / 198.8 (BENCHMARKS.md, "Twenty-third
         session"); ``gluon_block`` 0: never."""
@@ -283,9 +285,12 @@ class Planner:
             previous round's commit in (``pending=``): the config source is asked for that launch's own tuned
             config (``fold=True``; a source without that keyword is asked as for the verify). ring: the launch is a
             `PendingRing`'s write round (its R rounds of tokens folded in): asked with ``ring=True`` (a source without
-            that keyword is asked as for the folded verify). gluon: None runs the Gluon verify where the policy and
-            the device take it (`LaunchPolicy.gluon`, `gluon.gluon_ready`); False never (what the tuner times when
-            it sweeps the Triton kernel's tiles); True requires it (a ValueError naming why not).
+            that keyword is asked as for the folded verify). gluon: None runs the Gluon verify with a Gluon config's
+            tiles (``config.gluon = 1``, tuned or given) where the policy, the tiles and the device take it
+            (`LaunchPolicy.gluon`, `gluon.tile_refusal`, `gluon.gluon_ready`), and in a bucket without a tuned
+            config with `gluon.UNTUNED_CONFIG`; a Triton config (``gluon = 0``) runs the Triton kernels, and so does
+            a Gluon config the launch cannot take (with its tiles). False: never; True: requires it (the config's
+            tiles where it is a Gluon config, else the untuned ones; a ValueError naming why not).
         """
         device = torch.device(device)
         if variant is not None and variant not in VARIANTS:
@@ -308,6 +313,7 @@ class Planner:
         untuned = untuned and tuned_on is None
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
+        triton_config = config.replace(gluon=0) if config.gluon else config  # what runs where the Gluon verify cannot
         if not config.fits(heads.dk, heads.dv):
             raise ValueError(f"config: tiles b_k={config.b_k}, b_v={config.b_v} must divide dk={heads.dk}, dv={heads.dv}")
         if v_split is not None and v_split * config.b_v > heads.dv:
@@ -321,28 +327,33 @@ class Planner:
                              f"programs per head; got {v_split!r}")
         block = node_block(max_tree_size)
         if variant == "fused":
-            return Launch("fused", config, block)
+            return Launch("fused", triton_config, block)
         scale = heads.dk ** -0.5 if scale is None else float(scale)
         if variant == "stream":
             v_split = heads.dv // config.b_v
-        launch = Launch(variant, config, block,
+        launch = Launch(variant, triton_config, block,
                         v_split=v_split or self.policy.value_split(num_requests, heads.hv, heads.dv, config.b_v),
                         state_split=self.policy.state_split(dtype, block),
                         sweep_f16=self.policy.sweep_f16(dtype, use_qk_l2norm, depth, scale),
                         stack_qk=self.policy.stack(variant, max_tree_size, block))
-        if gluon is not False:
-            why = self.gluon_refusal(launch, heads, dtype, fold, device)
+        if gluon is True or (gluon is None and (config.gluon or untuned)):
+            # the Gluon verify with the config's tiles where it is a Gluon config (gluon=1, tuned or given), else
+            # (an untuned bucket, or gluon=True) with the untuned ones
+            tiles = config if config.gluon else GLUON_UNTUNED_CONFIG
+            why = self.gluon_refusal(launch.replace(config=tiles), heads, dtype, fold, device, ring=ring)
             if gluon and why:
                 raise ValueError(f"gluon: this launch cannot run the Gluon verify: {why}")
-            launch = launch.replace(gluon=not why)
+            if not why:
+                launch = launch.replace(config=tiles, gluon=True)
         if not check:
             return launch
         return self.checked(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device,
                             deep=depth > self.policy.sweep_f16_max_depth)
 
-    def gluon_refusal(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, fold: bool, device) -> str:
+    def gluon_refusal(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, fold: bool, device,
+                      ring: bool = False) -> str:
         """"" if ``launch`` may run the Gluon verify, else why not (the policy's conditions, the head dims it was
-        measured on, the device)."""
+        measured on, the config's tiles (``ring``: as a ring's write round takes them), the device)."""
         if not self.policy.gluon(launch.variant, dtype, launch.node_block, launch.v_split, launch.sweep_f16, fold):
             return (f"it runs resident launches of one program per head on {self.policy.gluon_block}-row trees of "
                     f"bf16 inputs with fp16 sweeps, without a pending fold (got {launch.variant!r}, node block "
@@ -350,7 +361,8 @@ class Planner:
                     f"fold={fold})")
         if (heads.dk, heads.dv) != GLUON_HEAD_DIMS:
             return f"it takes dk, dv = {GLUON_HEAD_DIMS}, got {heads.dk}, {heads.dv}"
-        return gluon_device_refusal(torch.device(device))
+        why = tile_refusal(launch.config, "write" if ring else "verify")
+        return why or gluon_device_refusal(torch.device(device))
 
     def given(self, launch: Launch, heads: HeadShape, dtype: torch.dtype, gate_dtype: torch.dtype, max_tree_size: int,
               depth: int, scale: float, use_qk_l2norm: bool, device) -> Launch:
@@ -471,8 +483,8 @@ class Planner:
             return launch
         if launch.gluon:
             why = result[2] if len(result) > 2 else f"relative error {error:.2e} against the float64 reference"
-            triton_launch = self.checked(launch.replace(gluon=False), heads, dtype, gate_dtype, scale, use_qk_l2norm,
-                                         device, deep)
+            triton_launch = self.checked(launch.replace(gluon=False, config=launch.config.replace(gluon=0)), heads,
+                                         dtype, gate_dtype, scale, use_qk_l2norm, device, deep)
             return triton_launch.replace(fallback=triton_launch.fallback or f"the Gluon verify's self-check: {why}; "
                                                                              "runs on the Triton resident kernel")
         return Launch("fused", launch.config, launch.node_block, fallback_error=error,

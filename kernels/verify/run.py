@@ -98,7 +98,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     if sv[2] != 1:
         v, sv = _last_contiguous(v)
     if launch.gluon and gluon_takes(launch, q, k, v, state, shape, ring, pending):
-        gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, ring)
+        gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring)
         return res
     block_depth, max_blocks = tree.block_depths(launch.node_block)
     resident = launch.variant != "fused"
