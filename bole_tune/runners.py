@@ -21,10 +21,11 @@ import torch
 
 from bole_tune.atomic import write_text_atomic
 from bole_tune.bench import BenchCase, CaseBench
-from bole_tune.config import CommitConfig, KernelConfig
+from bole_tune.config import RING_ROUNDS, CommitConfig, KernelConfig
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
-from bole_tune.kernels import PLANNER, tree_verify
+from bole_tune.kernels import PLANNER, PendingRing, tree_verify
+from bole_tune.kernels.verify.gluon import MAX_RING_WIDTH
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import torch_dtype
 
@@ -124,6 +125,12 @@ class GPURunner:
         from bole_tune.commit_bench import COMMIT_TOLERANCE
 
         bench = self.bench(key)
+        if key.ring and config.gluon:  # the ring timed here must be one the Gluon verify takes, or Triton's is timed
+            width = PendingRing.table_width(RING_ROUNDS, bench.tree().depth + 1)
+            if width > MAX_RING_WIDTH:
+                return Measurement("infeasible", message=f"the tuner's ring ({RING_ROUNDS} rounds of "
+                                   f"{bench.tree().depth + 1}-node paths) has tables {width} wide; the Gluon verify "
+                                   f"takes at most {MAX_RING_WIDTH}")
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
             warnings.simplefilter("ignore", UserWarning)
             # a Gluon config (gluon=1) on the Gluon verify, refused (ValueError: infeasible) where it cannot run;

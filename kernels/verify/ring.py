@@ -145,7 +145,7 @@ class PendingRing:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # compare equal to the tensors' cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.width = max(16, 1 << (rounds * max_path - 1).bit_length())
+        self.width = self.table_width(rounds, max_path)
         # flat tables with one spare entry past the end, where the appends of nothing land
         self._rows = torch.full((num_slots * self.width + 1,), -1, dtype=torch.int32, device=self.device)
         self._last = torch.zeros((num_slots * self.width + 1,), dtype=torch.int32, device=self.device)
@@ -154,6 +154,13 @@ class PendingRing:
         self.count = torch.zeros((num_slots,), dtype=torch.int32, device=self.device)
         self.held = 0  # rounds whose tokens the tables hold (host: no device read)
         self.rounds_begun = 0
+
+
+    @staticmethod
+    def table_width(rounds: int, max_path: int) -> int:
+        """Entries of a slot's table for ``rounds`` rounds of paths of up to ``max_path`` nodes: ``rounds * max_path``
+        rounded up to a power of two, at least 16."""
+        return max(16, 1 << (rounds * max_path - 1).bit_length())
 
     def results(self, heads: HeadShape, dtype: torch.dtype) -> RingResults:
         """Empty `RingResults` for one GDN layer of these heads (verify outputs in ``dtype``)."""
