@@ -46,9 +46,10 @@ def gluon_bucket_refusal(config: KernelConfig, key) -> str:
     """"" when a Gluon config (``gluon=1``) is one the launches of bucket ``key`` (a `ShapeKey`) run on the Gluon
     verify, else why not: a bucket the planner gives resident launches of one program per head on 64-row blocks
     (trees of 33-64 nodes) of bf16 inputs with 128-wide heads, not a folded verify's (`LaunchPolicy.gluon`), and
-    tiles its round takes (`tile_refusal`; a ring's write round: its own). The device is `for_device`'s."""
+    the tiles a ring's rounds run well (`RING_TILES`: the bucket's config runs them too; the stages are the tuner's).
+    The device is `for_device`'s."""
     from bole_tune.kernels import PLANNER
-    from bole_tune.kernels.verify.gluon import HEAD_DIMS, tile_refusal
+    from bole_tune.kernels.verify.gluon import HEAD_DIMS, RING_TILES, tile_refusal
     from bole_tune.kernels.verify.resident import RESIDENT_MAX_NODES
 
     policy = PLANNER.policy
@@ -61,6 +62,9 @@ def gluon_bucket_refusal(config: KernelConfig, key) -> str:
     if (policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) != "resident"
             or policy.value_split(key.batch_bucket, key.heads.hv, key.heads.dv, config.b_v) != 1):
         return "this bucket's launches are not resident launches of one program per head"
+    if (config.b_k, config.b_v) != RING_TILES:
+        return (f"this bucket's config also runs a ring's rounds, whose Gluon tiles are {RING_TILES[0]}/{RING_TILES[1]} "
+                f"(kernels/verify/gluon.py, RING_TILES)")
     return tile_refusal(config, "write" if getattr(key, "ring", False) else "verify")
 
 

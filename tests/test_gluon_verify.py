@@ -103,12 +103,27 @@ def test_the_tuned_config_decides_the_gluon_launch_and_its_tiles(sm90):
 def test_gluon_tiles_are_refused_by_name():
     refusal = gluon_module.tile_refusal
     for config in GLUON_STARTS:
-        assert refusal(config, "verify") == "" and refusal(config, "read") == ""
-        assert (refusal(config, "write") == "") is (config.b_v == 64)
+        assert refusal(config, "verify") == ""
+        assert (refusal(config, "read") == "") is (refusal(config, "write") == "") is (config.b_v == 64)
     assert "b_k, b_v in (32, 64), not 16/64" in refusal(KernelConfig(16, 64, 4, 2, gluon=1))
     assert "4 warps" in refusal(KernelConfig(32, 64, 2, 2, gluon=1))
     assert "not 3" in refusal(KernelConfig(32, 64, 4, 3, gluon=1))
     assert "b_v = 32" in refusal(KernelConfig(32, 32, 4, 2, gluon=1), "write")
+    assert "read round on the Gluon verify takes 64-wide" in refusal(KernelConfig(64, 32, 4, 2, gluon=1), "read")
+
+
+def test_the_tuner_gives_gluon_buckets_the_ring_tiles_only(sm90):
+    """A bucket's verify config also runs a ring's rounds: its Gluon candidates are the ring's tiles (32/64), with
+    either number of stages; the others are refused by name."""
+    from bole_tune.database import ShapeKey
+    from bole_tune.search_space import feasible, for_key, gluon_bucket_refusal
+
+    key = ShapeKey(heads=HEADS_9B, dtype="bf16", tree_bucket=64, batch_bucket=16)
+    allowed = [c for c in for_key(SearchSpace.load(), key).configs() if c.gluon and not gluon_bucket_refusal(c, key)]
+    assert {c.text for c in allowed} == {"32/64/4/2/1", "32/64/4/1/1"}
+    assert "RING_TILES" in gluon_bucket_refusal(KernelConfig(64, 64, 4, 1, gluon=1), key)
+    assert feasible(KernelConfig(32, 64, 4, 2, gluon=1), 128, 128, 64, "bf16", bucket=key) == (True, "")
+    assert not feasible(KernelConfig(32, 64, 4, 2, gluon=1), 128, 128, 64, "bf16")[0]  # needs its bucket
 
 
 def test_planner_never_sends_a_launch_to_gluon_off_sm90():
@@ -291,7 +306,7 @@ def test_gluon_ring_rounds_match_the_recurrence(rounds, batch, config):
     """A `PendingRing` over consecutive rounds of 33-64-node trees, every round's read or write on the Gluon kernel
     (tables of width 16-32): outputs, untouched pools in read rounds, written slots in write rounds, and the pool
     after the last flush, against the float64 recurrence; requests accept none, the root, the deepest or any node.
-    ``config``: the database's (None) or these Gluon tiles (32-row value tiles: the write rounds on Triton's kernel)."""
+    ``config``: the database's (None) or these Gluon tiles (32-wide value tiles: the ring's rounds on Triton's kernel)."""
     rng = random.Random(rounds)
     num_slots = 2 * batch
     ring = PendingRing(num_slots, rounds, 9, capacity=64 * batch, max_requests=batch, device="cuda")
@@ -307,12 +322,11 @@ def test_gluon_ring_rounds_match_the_recurrence(rounds, batch, config):
         step = ring.begin(tree)
         launch = plan_launch(HEADS_9B, BF16, num_requests=batch, max_tree_size=tree.max_tree_size, depth=tree.depth,
                              device="cuda", ring=step.write, config=config, tuned_on="resident" if config else None)
-        if config is not None and gluon_module.tile_refusal(config, "write" if step.write else "read"):
+        continue_on_triton = bool(config and gluon_module.tile_refusal(config, "write" if step.write else "read"))
+        if continue_on_triton and step.write:  # planned on Triton's kernel; a read round is planned as the verify
             assert not launch.gluon and launch.config == config.replace(gluon=0), launch
-            continue_on_triton = True
         else:
             assert launch.gluon, launch
-            continue_on_triton = False
         assert gluon_module.gluon_takes(launch, x.q, x.k, x.v, pool, type("Shape", (), {"heads": HEADS_9B})(),
                                         ring=step.layer(arena)) is not continue_on_triton  # which kernel runs
         before = pool.clone()

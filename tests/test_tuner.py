@@ -152,9 +152,12 @@ def test_exhaustive_and_recording_round_trip(tmp_path):
     found = exhaustive_bucket(recorder, KEY, SPACE)
     assert len(found) == len(SPACE.configs())
     copy = ReplayRunner(tmp_path / "copy.json")
-    # configs pruned before compiling (too much shared memory) never reach the runner, so the copy lacks them
+    # configs pruned before compiling (too much shared memory, Gluon tiles other than the ring's) never reach the
+    # runner, so the copy lacks them
     pruned = {text for text, m in found.items() if m.status == "infeasible" and "shared memory" in m.message}
     assert all(KernelConfig.from_text(text).b_k == 128 for text in pruned)
+    pruned |= {text for text, m in found.items() if m.status == "infeasible" and "RING_TILES" in m.message}
+    assert len(pruned - {t for t in pruned if KernelConfig.from_text(t).b_k == 128}) == 6  # 8 Gluon configs, 2 kept
     assert copy.measurements[KEY.text] == {text: m for text, m in source.measurements[KEY.text].items()
                                            if text not in pruned}
 
@@ -179,8 +182,10 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
 
     resident = shape_key()
     fused = shape_key(tree=128)
-    # a bf16 bucket of 64-node trees on the resident kernel: then every Gluon config (held at 0 off sm_90)
-    assert kernel_starts(resident) == list(RESIDENT_STARTS + GLUON_STARTS) and kernel_starts(fused) == []
+    # a bf16 bucket of 64-node trees on the resident kernel: then the Gluon configs of the ring's tiles (held at 0
+    # off sm_90), one per number of stages
+    gluon = [c for c in GLUON_STARTS if (c.b_k, c.b_v) == (32, 64)]
+    assert len(gluon) == 2 and kernel_starts(resident) == list(RESIDENT_STARTS) + gluon and kernel_starts(fused) == []
     assert kernel_starts(dataclasses.replace(resident, dtype="fp16")) == list(RESIDENT_STARTS)
     assert kernel_starts(dataclasses.replace(resident, fold=True)) == list(RESIDENT_STARTS)
     assert kernel_starts(shape_key(tree=8)) == list(STREAM_STARTS)  # B=16 T=8: the state-first order
@@ -196,9 +201,9 @@ def test_resident_buckets_start_from_the_resident_kernels_best_tiles(tmp_path):
 
     tune_bucket(Logged(write_recording(tmp_path / "rec.json")), resident, SPACE, storage(tmp_path),
                 2 + len(RESIDENT_STARTS), "replay-gpu")
-    # the default, its Gluon twin (the switch turned on), then the resident kernel's tiles
-    assert measured[0] == KernelConfig(64, 32, 4, 2) and measured[1] == KernelConfig(64, 32, 4, 2, gluon=1)
-    assert measured[2:] == list(RESIDENT_STARTS), measured
+    # the default (its Gluon twin, 64/32, pruned: not the ring's tiles), then the resident kernel's tiles
+    assert measured[0] == KernelConfig(64, 32, 4, 2) and KernelConfig(64, 32, 4, 2, gluon=1) not in measured
+    assert measured[1:1 + len(RESIDENT_STARTS)] == list(RESIDENT_STARTS), measured
 
 
 def test_a_config_the_resident_self_check_rejects_is_wrong_for_the_tuner(monkeypatch):

@@ -61,6 +61,13 @@ bucket like the Triton kernels' (profiles/search_space.yaml) and read from the t
 STAGES = (1, 2)
 """State tiles in flight (``num_stages``): 1 loads each ``[b_v, b_k]`` tile when its products start, 2 issues the next
 tile's load before the current tile's products."""
+RING_TILES = (32, 64)
+"""The ``(b_k, b_v)`` a bucket's tuned Gluon config holds (`bole_tune.search_space.gluon_bucket_refusal`): a bucket's
+verify config also runs a `PendingRing`'s read rounds, and its write rounds where the bucket's ring write is not
+tuned apart. At 64/64 the read round spills (48 bytes) and the write round holds 135,168 B of shared memory (one
+program an SM; 110,592 B at 32/64, with ``R'`` in the state parts' bytes): on the H200 at B=16 T=64 a ring of 3
+rounds took 87.2 us a round with 64/64 against 59.9 with 32/64, though the verify alone is 4% faster at 64/64 (47.2
+against 49.0 us); 32-wide value tiles do not run ring rounds (`tile_refusal`)."""
 UNTUNED_CONFIG = KernelConfig(32, 64, 4, 2, gluon=1)
 """What a bucket without a tuned entry runs on this kernel (`planner.Planner.plan`): not a tuned value but the tiles
 its first version was written and measured with (BENCHMARKS.md, "Twenty-third session"); a tuned entry replaces it."""
@@ -89,16 +96,17 @@ def gluon_ready(device) -> str:
 def tile_refusal(config, mode: str = "verify") -> str:
     """"" when the kernel runs ``config``'s tiles in ``mode`` ("verify", "read", "write"), else why not: ``b_k`` and
     ``b_v`` in `TILES`, 4 warps (one warpgroup: every wgmma is the whole program's), ``num_stages`` in `STAGES`; a
-    write round's ``b_v`` 64 (its fold's state tiles are wgmma accumulators, 64 rows)."""
+    ring's rounds ``b_v`` 64 (a write round's fold has its state tiles as wgmma accumulators, 64 rows)."""
     if config.b_k not in TILES or config.b_v not in TILES:
         return f"the Gluon verify takes tiles b_k, b_v in {TILES}, not {config.b_k}/{config.b_v}"
     if config.num_warps != 4:
         return f"the Gluon verify runs 4 warps (one warpgroup), not {config.num_warps}"
     if config.num_stages not in STAGES:
         return f"the Gluon verify keeps {' or '.join(map(str, STAGES))} state tiles in flight, not {config.num_stages}"
-    if mode == "write" and config.b_v != 64:
-        return (f"a ring's write round on the Gluon verify folds [64, b_k] state tiles (a wgmma's 64 rows), "
-                f"not b_v = {config.b_v}")
+    if mode in ("read", "write") and config.b_v != 64:
+        # a write round folds [64, b_k] state tiles on wgmma (64 rows); a read round with 32-wide value tiles ran
+        # into an illegal memory access on the H200 (BENCHMARKS.md, "Twenty-fourth session"): Triton's kernel runs it
+        return f"a ring's {mode} round on the Gluon verify takes 64-wide value tiles, not b_v = {config.b_v}"
     return ""
 
 
