@@ -305,7 +305,7 @@ CLI_CASES = {
     "bench-max-depth-0": (["bench", "--max-depth", "0"], "--max-depth: expected an integer from 1"),
     "bench-not-a-number": (["bench", "--batch", "4,x"], "--batch: expected an integer, got 'x'"),
     "workers-10000": ([*TUNE, "--workers", "10000"], "--workers: 10000 is more than this host and job can use"),
-    "trials-beyond-space": ([*TUNE, "--trials", "5000"], "--trials: 5000 is more than the 144 configs"),
+    "trials-beyond-space": ([*TUNE, "--trials", "5000"], "--trials: 5000 is more than the 152 configs"),
     "replay-delay-nan": ([*TUNE, "--replay-delay", "nan"], "--replay-delay"),
     "validate-trees-0": (["validate", "--trees", "0"], "--trees"),
     "bench-json-folder": (["bench", "--json", "FOLDER"], "--json: "),
