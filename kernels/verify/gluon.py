@@ -104,8 +104,9 @@ def tile_refusal(config, mode: str = "verify") -> str:
     if config.num_stages not in STAGES:
         return f"the Gluon verify keeps {' or '.join(map(str, STAGES))} state tiles in flight, not {config.num_stages}"
     if mode in ("read", "write") and config.b_v != 64:
-        # a write round folds [64, b_k] state tiles on wgmma (64 rows); a read round with 32-wide value tiles ran
-        # into an illegal memory access on the H200 (BENCHMARKS.md, "Twenty-fourth session"): Triton's kernel runs it
+        # a write round folds [64, b_k] state tiles on wgmma (64 rows); a read round at 64/32 ran into an illegal
+        # memory access on the H200 (32/32 did not; BENCHMARKS.md, "Twenty-fourth session"): Triton's kernel runs
+        # ring rounds with 32-wide value tiles
         return f"a ring's {mode} round on the Gluon verify takes 64-wide value tiles, not b_v = {config.b_v}"
     return ""
 
