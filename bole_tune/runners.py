@@ -26,6 +26,9 @@ from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
 from bole_tune.kernels import PLANNER, PendingRing, tree_verify
 from bole_tune.kernels.verify.gluon import MAX_RING_WIDTH
+from bole_tune.kernels.verify.gluon import UNTUNED_CONFIG as GLUON_UNTUNED_CONFIG
+from bole_tune.kernels.verify.planner import gluon_device_refusal
+from bole_tune.search_space import gluon_bucket_refusal
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import torch_dtype
 
@@ -108,8 +111,16 @@ class GPURunner:
         bench.reference()  # the harness itself must not fail inside the guarded region below
         return self._guarded(key, config, self._measure_verify)
 
+    def untuned_config(self, key: ShapeKey, default: KernelConfig) -> KernelConfig:
+        """The config a bucket without a tuned entry runs here: the Gluon verify's `UNTUNED_CONFIG` where the planner
+        gives the bucket's launches to it (this device an sm_90 GPU, the bucket one of its, as the tuner sees it:
+        `gluon_bucket_refusal`), else ``default``."""
+        if not gluon_device_refusal(self.device) and not gluon_bucket_refusal(GLUON_UNTUNED_CONFIG, key):
+            return GLUON_UNTUNED_CONFIG
+        return default
+
     def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement:
-        """``config`` (the bucket's default) on the kernel a bucket without a tuned config runs
+        """``config`` (the bucket's default, or `untuned_config`) on the kernel a bucket without a tuned config runs
         (`LaunchPolicy.untuned_variant`): what a study's "speedup over the default" compares with."""
         bench = self.bench(key)
         bench.reference()
@@ -255,6 +266,13 @@ class ReplayRunner:
                                       f"replay with the search space it was recorded on")
         return recorded
 
+    def untuned_config(self, key: ShapeKey, default: KernelConfig) -> KernelConfig:
+        """The recorded `GPURunner.untuned_config`: the one config the bucket holds an untuned measurement of where it
+        is not ``default``, else ``default``."""
+        others = [text[len(UNTUNED_PREFIX):] for text in self.measurements.get(key.text, {})
+                  if text.startswith(UNTUNED_PREFIX) and text != UNTUNED_PREFIX + config_text(default)]
+        return KernelConfig.from_text(others[0]) if len(others) == 1 else default
+
     def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement | None:
         """The recorded `GPURunner.measure_untuned` (``"untuned " + config`` in the bucket), or None."""
         return self.measurements.get(key.text, {}).get(UNTUNED_PREFIX + config_text(config))
@@ -283,6 +301,9 @@ class RecordingRunner:
         m = self.inner.measure(key, config)
         self._record(key, config.text, m)
         return m
+
+    def untuned_config(self, key: ShapeKey, default: KernelConfig) -> KernelConfig:
+        return self.inner.untuned_config(key, default) if hasattr(self.inner, "untuned_config") else default
 
     def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement | None:
         m = self.inner.measure_untuned(key, config) if hasattr(self.inner, "measure_untuned") else None

@@ -286,19 +286,28 @@ UNTUNED_ATTR = "untuned_default"
 is not the kernel the study searched (`record_untuned_default`)."""
 
 
+UNTUNED_CONFIG_ATTR = "untuned_config"
+"""The study attribute naming the config an untuned bucket runs where it is not the default (`record_untuned_default`:
+on an sm_90 GPU a Gluon bucket runs the Gluon verify's untuned tiles)."""
+
+
 def record_untuned_default(runner, study, key: ShapeKey | CommitKey, default) -> None:
-    """Where a bucket's kernel differs from the one it runs untuned ("stream" buckets run the resident kernel until
-    tuned), measure the default there once and keep it in the study: the default a user would really run, so a
-    study's speedup over it is what tuning gains (the default's own trial, on the searched kernel, stays a trial)."""
+    """Where a bucket runs untuned what its study does not measure as its default (a "stream" bucket runs the
+    resident kernel until tuned; on an sm_90 GPU a Gluon bucket runs the Gluon verify with `UNTUNED_CONFIG`, the
+    runner's ``untuned_config``), measure that once and keep it in the study: the default a user would really run,
+    so a study's speedup over it is what tuning gains (the default's own trial stays a trial)."""
     if isinstance(key, CommitKey) or UNTUNED_ATTR in study.user_attrs or not hasattr(runner, "measure_untuned"):
         return
+    untuned = runner.untuned_config(key, default) if hasattr(runner, "untuned_config") else default
     policy = PLANNER.policy
-    if policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) == \
+    if untuned == default and policy.variant(key.batch_bucket, key.heads.hv, key.tree_bucket) == \
             policy.untuned_variant(key.batch_bucket, key.heads.hv, key.tree_bucket):
         return
-    m = runner.measure_untuned(key, default)
+    m = runner.measure_untuned(key, untuned)
     if m is not None:
         study.set_user_attr(UNTUNED_ATTR, m.as_dict())
+        if untuned != default:
+            study.set_user_attr(UNTUNED_CONFIG_ATTR, untuned.text)
 
 
 def tune_bucket_buffered(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, n_trials: int, slug: str,
@@ -427,6 +436,8 @@ def _result(study, key: ShapeKey | CommitKey, name: str, default) -> TuneResult:
             best, best_m = config, m
     if UNTUNED_ATTR in study.user_attrs:  # the default as an untuned bucket runs it (`record_untuned_default`)
         default_m = Measurement.from_dict(study.user_attrs[UNTUNED_ATTR])
+        if UNTUNED_CONFIG_ATTR in study.user_attrs:  # and the config it runs, where that is not the default
+            default = type(default).from_text(study.user_attrs[UNTUNED_CONFIG_ATTR])
     return TuneResult(key, name, best, best_m, default, default_m, counts, sorted(workers))
 
 

@@ -6,6 +6,7 @@ import math
 import warnings
 
 import optuna
+import torch
 import pytest
 
 from bole_tune.config import KernelConfig
@@ -263,6 +264,38 @@ def test_a_stream_buckets_speedup_is_over_the_default_as_an_untuned_bucket_runs_
     assert study.user_attrs[UNTUNED_ATTR]["p50_us"] == 18.0
     plain = tune_bucket(runner, resident, SPACE, store, 6, "replay-gpu")
     assert len(asked) == 1 and plain.default_measurement.p50_us == on_stream
+
+
+def test_a_gluon_buckets_speedup_is_over_the_gluon_verify_it_runs_untuned(tmp_path, monkeypatch):
+    """On an sm_90 GPU an untuned bucket of 64-node bf16 trees runs the Gluon verify with its untuned tiles, not the
+    Triton default: the study measures that once, and its result names that config as the default."""
+    from bole_tune import runners as runners_module
+    from bole_tune.kernels.verify.gluon import UNTUNED_CONFIG
+    from bole_tune.runners import UNTUNED_PREFIX, GPURunner
+    from bole_tune.tuner import UNTUNED_CONFIG_ATTR, load_result
+
+    key = shape_key()  # B=16 T=64 bf16, the 9B's heads: a Gluon bucket
+    path = write_recording(tmp_path / "rec.json", key=key)
+    data = json.loads(path.read_text())
+    data["measurements"][key.text][UNTUNED_PREFIX + UNTUNED_CONFIG.text] = \
+        Measurement("ok", 48.5, 49.0, 49.5, 1e-3, method="replay").as_dict()
+    path.write_text(json.dumps(data))
+    runner, store = ReplayRunner(path), storage(tmp_path)
+    assert runner.untuned_config(key, KernelConfig(64, 32, 4, 2)) == UNTUNED_CONFIG
+    result = tune_bucket(runner, key, SPACE, store, 8, "replay-gpu")
+    assert result.default == UNTUNED_CONFIG and result.default_measurement.p50_us == 49.0
+    assert load_result(store, "replay-gpu", key).default == UNTUNED_CONFIG  # kept in the study
+    study = optuna.load_study(study_name=result.study_name, storage=store)
+    assert study.user_attrs[UNTUNED_CONFIG_ATTR] == UNTUNED_CONFIG.text
+    # the GPU runner's answer: the Gluon tiles on an sm_90 GPU for a Gluon bucket, the default elsewhere
+    gpu = GPURunner.__new__(GPURunner)
+    gpu.device = torch.device("cuda")
+    default = KernelConfig(64, 32, 4, 2)
+    monkeypatch.setattr(runners_module, "gluon_device_refusal", lambda device: "")
+    assert gpu.untuned_config(key, default) == UNTUNED_CONFIG
+    assert gpu.untuned_config(shape_key(tree=16), default) == default  # 16-node trees: the Triton kernels
+    monkeypatch.setattr(runners_module, "gluon_device_refusal", lambda device: "sm_80")
+    assert gpu.untuned_config(key, default) == default
 
 
 def test_the_gpu_runner_measures_the_untuned_default_on_the_untuned_kernel(monkeypatch):
