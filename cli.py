@@ -52,7 +52,7 @@ def cmd_bench(args) -> int:
     """`bole_tune.bench.run_cases` (`bole_tune.lookup.lookup_cost_ns` with --lookup)."""
     import torch
 
-    from bole_tune.bench import run_cases
+    from bole_tune.bench import round_verdict, run_cases
     from bole_tune.lookup import commit_lookup_cost_ns, lookup_cost_ns
     from bole_tune.profiles import resolve_model
 
@@ -72,6 +72,8 @@ def cmd_bench(args) -> int:
     console.print(f"[yellow]{run.cpu_note}[/]" if run.cpu_note else
                   f"[bold]bole-tune bench[/] on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
     console.print(render.bench(run.rows))
+    if not args.no_commit and not args.no_serial:
+        console.print(render.round_verdict(round_verdict(run.rows)))
     if args.json:
         _call(write_or_rescue, args.json, render.json_text({"environment": env, "rows": run.rows}) + "\n", "--json")
         console.print(f"rows written to {args.json}")

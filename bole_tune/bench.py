@@ -429,6 +429,36 @@ def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50,
     return rows
 
 
+ROUND_WAYS = ("round_verify_commit", "round_folded", "round_ring")
+"""The `bench_rounds` rows that are a whole round of a layer; "verify + all-layer commit" (``tree_verify`` plus
+``tree_commit_layers``, the per-layer share of one commit launch for every layer) is the fourth way."""
+
+
+def round_verdict(rows) -> list[dict]:
+    """Per case of ``rows`` (`run_cases` rows, or several runs' rows together) that has a serial round: the cheapest
+    of a layer's round's ways against ``round_serial`` (``serial_verify`` then a snapshot engine's commit), the
+    issue's "no case slower than the serial path". Cases without rounds (``--no-commit``, ``--no-serial``) are left
+    out. Sorted by the ratio, the slowest against serial first."""
+    cases: dict = {}
+    for r in rows:
+        key = (r["label"], r["hv"], r["dtype"], r["batch"], r["tree_size"], r["max_depth"])
+        cases.setdefault(key, {})[r["kernel"]] = r["p50_us"]
+    verdict = []
+    for (label, hv, dtype, batch, size, depth), us in cases.items():
+        if "round_serial" not in us:
+            continue
+        ways = {w: us[w] for w in ROUND_WAYS if w in us}
+        if "tree_verify" in us and "tree_commit_layers" in us:
+            ways["verify + all-layer commit"] = us["tree_verify"] + us["tree_commit_layers"]
+        if not ways:
+            continue
+        way = min(ways, key=ways.get)
+        verdict.append({"label": label, "hv": hv, "dtype": dtype, "batch": batch, "tree_size": size,
+                        "max_depth": depth, "way": way, "round_us": round(ways[way], 2),
+                        "serial_us": us["round_serial"], "speedup": round(us["round_serial"] / ways[way], 3)})
+    return sorted(verdict, key=lambda v: v["speedup"])
+
+
 def _row(kernel: str, case: BenchCase, timing: Timing, device) -> dict:
     floor_us = case.floor_bytes() / COPY_BANDWIDTH_H200 * 1e6
     s = case.shape
@@ -493,3 +523,32 @@ def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.
                 if progress:
                     progress(rows)
     return run
+
+
+def verdict_of_files(paths, out=print) -> int:
+    """`round_verdict` over the rows of ``bole-tune bench --json`` files (one grid timed in several runs): the twelve
+    slowest cases against the serial round, then the verdict's line; 1 where a case is not faster than the serial
+    round, else 0. ``python3 -m bole_tune.bench FILE...``."""
+    import json
+
+    from bole_tune.render import round_verdict as verdict_line
+
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)["rows"]
+    verdict = round_verdict(rows)
+    out(f"{'B':>3} {'T':>4} {'cheapest round':<26} {'us':>8} {'serial us':>9} {'speedup':>7}")
+    for v in verdict[:12]:
+        out(f"{v['batch']:>3} {v['tree_size']:>4} {v['way']:<26} {v['round_us']:>8.1f} {v['serial_us']:>9.1f} "
+            f"{v['speedup']:>6.2f}x")
+    out(verdict_line(verdict).replace("[bold red]", "").replace("[/]", ""))
+    return int(any(v["speedup"] <= 1 for v in verdict))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python3 -m bole_tune.bench FILE.json ... (rows of bole-tune bench --json)")
+    sys.exit(verdict_of_files(sys.argv[1:]))

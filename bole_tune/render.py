@@ -240,6 +240,23 @@ def bench(rows) -> Table:
     return t
 
 
+def round_verdict(verdict) -> str:
+    """`bole_tune.bench.round_verdict` in a line: the range of the cheapest round's speedup over the serial round,
+    the slowest case, and in red every case where the serial path is as fast or faster."""
+    if not verdict:
+        return "no round timed beside the serial round (rounds need the commit and the serial baseline)"
+    worst, best = verdict[0], verdict[-1]
+    case = lambda v: f"{v['label']} B={v['batch']} T={v['tree_size']}"
+    line = (f"the cheapest round against the serial round over {len(verdict)} cases: {worst['speedup']:.2f}x-"
+            f"{best['speedup']:.1f}x; slowest {case(worst)}: {worst['way']} {worst['round_us']:.1f} us against "
+            f"{worst['serial_us']:.1f}")
+    slower = [v for v in verdict if v["speedup"] <= 1]
+    if slower:
+        line += "\n[bold red]not faster than the serial round: " + ", ".join(
+            f"{case(v)} ({v['round_us']:.1f} against {v['serial_us']:.1f} us)" for v in slower) + "[/]"
+    return line
+
+
 def validation(layers, generation=None, tokens: int = 0) -> list[str]:
     """What `bole_tune.validate` found, a line per check (PASS/FAIL first) and one per failure."""
     from bole_tune.validate import TOLERANCE
