@@ -33,7 +33,9 @@ decides it), silently: it is what the folded launch ran before it was tuned apar
 them) has entries of its own too (keys ending in ``-ring``, `ShapeKey.ring`; ``bole-tune tune --ring``): it folds
 R rounds of tokens, not one, and its best tiles differ from the folded verify's (9B B=32 8-node chains on the H200:
 the folded verify's tuned 32/128/2/3 wrote in 91.6 us a round, 32/64/2/3 in 70.6). Where its bucket has none it
-runs the folded verify's config (as that lookup decides it), silently. A ring's read rounds run the verify's.
+runs the folded verify's config (as that lookup decides it), silently, or where the bucket's verify config is a
+Gluon one (``gluon: 1``), that: the Gluon verify runs a ring's write rounds, not a folded verify's. A ring's read
+rounds run the verify's.
 """
 
 from __future__ import annotations
@@ -103,7 +105,17 @@ def decide(key: ShapeKey, slug: str, mode: str | None = None, directory=None) ->
     if same:
         other, name, entry = next((s for s in same if s[0].tp == key.tp), same[0])
         return _from_entry(entry, found.source("configs", name), key, "exact", f"tuned for this bucket ({found.where})")
-    if key.ring:  # a ring's write round not tuned on its own runs what the folded verify of its bucket runs
+    if key.ring:  # a ring's write round not tuned on its own runs what the folded verify of its bucket runs,
+        # or where the bucket's verify config is a Gluon one, that: the Gluon verify runs a ring's write rounds but
+        # not a PendingCommit fold, so the folded verify's config would take them to the Triton kernels
+        try:
+            verify = decide(key.verify_key, slug, mode, directory)
+        except LookupError:  # strict, and the verify not tuned: the folded verify's entry may still be there
+            verify = None
+        if verify is not None and verify.config.gluon:
+            return dataclasses.replace(verify, key=key, how="verify" if verify.how == "exact" else verify.how,
+                                       reason=f"the ring's write round is not tuned for this bucket: the verify's "
+                                              f"Gluon config (the Gluon verify runs a ring's rounds), {verify.reason}")
         decision = decide(key.fold_key, slug, mode, directory)
         return dataclasses.replace(decision, key=key, how="fold" if decision.how == "exact" else decision.how,
                                    reason=f"the ring's write round is not tuned for this bucket: the folded verify's "

@@ -11,6 +11,7 @@ writes such a file while it measures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import warnings
@@ -25,7 +26,7 @@ from bole_tune.config import RING_ROUNDS, CommitConfig, KernelConfig
 from bole_tune.database import CommitKey, ShapeKey
 from bole_tune.fingerprint import Fingerprint, check_slug, fingerprint
 from bole_tune.kernels import PLANNER, PendingRing, tree_verify
-from bole_tune.kernels.verify.gluon import MAX_RING_WIDTH
+from bole_tune.kernels.verify.gluon import MAX_RING_WIDTH, gluon_ring_rounds
 from bole_tune.kernels.verify.gluon import UNTUNED_CONFIG as GLUON_UNTUNED_CONFIG
 from bole_tune.kernels.verify.planner import gluon_device_refusal
 from bole_tune.search_space import gluon_bucket_refusal
@@ -119,6 +120,16 @@ class GPURunner:
             return GLUON_UNTUNED_CONFIG
         return default
 
+    def ring_rounds(self, key: ShapeKey, max_path: int) -> int:
+        """The rounds of the ring a ring write's trials are timed on (paths of up to ``max_path`` nodes):
+        `RING_ROUNDS`, or where the bucket's launches run on the Gluon verify (`untuned_config`), the most rounds up
+        to it whose tables the Gluon verify takes (`gluon.gluon_ring_rounds`: three for the 9-node paths of trees
+        of depth 8, where four would be 64 wide), so that its Gluon and Triton configs are timed on the ring an
+        engine keeps there."""
+        if key.ring and self.untuned_config(key, None) is GLUON_UNTUNED_CONFIG:
+            return gluon_ring_rounds(max_path, RING_ROUNDS) or RING_ROUNDS
+        return RING_ROUNDS
+
     def measure_untuned(self, key: ShapeKey, config: KernelConfig) -> Measurement:
         """``config`` (the bucket's default, or `untuned_config`) on the kernel a bucket without a tuned config runs
         (`LaunchPolicy.untuned_variant`): what a study's "speedup over the default" compares with."""
@@ -136,10 +147,11 @@ class GPURunner:
         from bole_tune.commit_bench import COMMIT_TOLERANCE
 
         bench = self.bench(key)
+        rounds = self.ring_rounds(key, bench.tree().depth + 1) if key.ring else RING_ROUNDS
         if key.ring and config.gluon:  # the ring timed here must be one the Gluon verify takes, or Triton's is timed
-            width = PendingRing.table_width(RING_ROUNDS, bench.tree().depth + 1)
+            width = PendingRing.table_width(rounds, bench.tree().depth + 1)
             if width > MAX_RING_WIDTH:
-                return Measurement("infeasible", message=f"the tuner's ring ({RING_ROUNDS} rounds of "
+                return Measurement("infeasible", message=f"the tuner's ring ({rounds} rounds of "
                                    f"{bench.tree().depth + 1}-node paths) has tables {width} wide; the Gluon verify "
                                    f"takes at most {MAX_RING_WIDTH}")
         with warnings.catch_warnings():  # a failed self-check is reported as "wrong" below, not warned
@@ -152,7 +164,7 @@ class GPURunner:
         if config.gluon and not launch.gluon:  # the Gluon verify failed its self-check: it would not run
             return Measurement("wrong", message=launch.fallback)
         if key.ring:  # over R + 1 rounds (a write round among them), then the slots flushed, against float64
-            error, state_error = bench.ring_errors(write=launch)
+            error, state_error = bench.ring_errors(write=launch, rounds=rounds)
             if not state_error <= accepted_error(torch_dtype(key.dtype)):
                 return Measurement("wrong", rel_error=state_error, message=f"the ring's slots: relative error "
                                                                            f"{state_error:.2e} against float64")
@@ -167,7 +179,8 @@ class GPURunner:
             return Measurement("wrong", rel_error=error,
                                message=f"relative error {error:.2e} against the float64 reference")
         if key.ring:
-            timing = bench.time_ring_write(launch, repeats=self.repeats)
+            timing = bench.time_ring_write(launch, rounds=rounds, repeats=self.repeats)
+            timing = dataclasses.replace(timing, method=f"{timing.method}; a write round of a ring of {rounds} rounds")
         elif key.fold:
             timing = bench.time_folded(launch, repeats=self.repeats)
         else:

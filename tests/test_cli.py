@@ -130,6 +130,31 @@ def test_bench_on_the_cpu_says_what_it_measured():
     result = run("bench", "--repeats", "3")
     assert result.returncode == 0, result.stderr
     assert "No CUDA GPU" in result.stdout and "fallback" in result.stdout
+    assert "the cheapest round against the serial round over 1 cases" in result.stdout
+
+
+def test_the_round_verdict_names_the_cheapest_way_and_every_case_not_faster_than_serial(tmp_path):
+    import json
+
+    from bole_tune.bench import round_verdict, verdict_of_files
+
+    def rows(batch, size, **us):
+        return [{"kernel": k, "label": "m", "hv": 32, "dtype": "bf16", "batch": batch, "tree_size": size,
+                 "max_depth": 8, "p50_us": v} for k, v in us.items()]
+
+    fast = rows(1, 4, tree_verify=5.0, tree_commit_layers=1.5, round_verify_commit=10.0, round_folded=9.0,
+                round_ring=7.0, round_serial=13.0)
+    slow = rows(32, 2, tree_verify=20.0, round_verify_commit=40.0, round_ring=31.0, round_serial=30.0)
+    verdict = round_verdict(fast + slow + rows(4, 8, tree_verify=9.0))  # a case without rounds is left out
+    assert [(v["batch"], v["way"], v["round_us"]) for v in verdict] == [(32, "round_ring", 31.0),
+                                                                       (1, "verify + all-layer commit", 6.5)]
+    assert verdict[0]["speedup"] == pytest.approx(30 / 31, abs=1e-3) and verdict[1]["speedup"] == pytest.approx(2.0)
+    (tmp_path / "a.json").write_text(json.dumps({"rows": fast}))
+    (tmp_path / "b.json").write_text(json.dumps({"rows": slow}))
+    lines = []
+    assert verdict_of_files([tmp_path / "a.json"], lines.append) == 0
+    assert verdict_of_files([tmp_path / "a.json", tmp_path / "b.json"], lines.append) == 1
+    assert "not faster than the serial round: m B=32 T=2 (31.0 against 30.0 us)" in lines[-1]
 
 
 TINY_MODEL = """name: Tiny-MoE

@@ -104,9 +104,78 @@ def test_the_runner_checks_and_times_the_ring_write_on_the_cpu(monkeypatch):
     runner = GPURunner("cpu", repeats=3)
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "ok" and m.rel_error < 1e-3 and m.p50_us > 0, m
-    monkeypatch.setattr(CaseBench, "ring_errors", lambda self, read=None, write=None: (1e-4, 3e-2))
+    monkeypatch.setattr(CaseBench, "ring_errors", lambda self, read=None, write=None, rounds=None: (1e-4, 3e-2))
     m = runner.measure(key, KernelConfig(16, 16, 4, 1))
     assert m.status == "wrong" and "the ring's slots" in m.message, m
+
+
+def test_a_gluon_bucket_s_ring_write_takes_the_verify_s_gluon_config_not_the_folded_verify_s(tmp_path, monkeypatch):
+    """The Gluon verify runs a ring's write rounds but not a PendingCommit fold: in a bucket whose verify entry is a
+    Gluon config, a ring write without its own entry runs that, not the folded verify's (Triton) entry; elsewhere
+    the folded verify's, as before."""
+    monkeypatch.setenv("BOLE_TUNE_DB", str(tmp_path))
+    monkeypatch.delenv("BOLE_TUNE_LOOKUP", raising=False)
+    lookup.clear_cache()
+    t64 = dataclasses.replace(shape_key(tree=64, batch=16), ring=True)
+    gluon_entry = {**entry(t64.verify_key, b_v=64), "config": {"b_k": 32, "b_v": 64, "num_warps": 4, "num_stages": 2,
+                                                               "gluon": 1}}
+    database.update(database.database_path(SLUG, tmp_path),
+                    configs={t64.verify_key.text: gluon_entry, t64.fold_key.text: entry(t64.fold_key, b_v=32),
+                             RING.verify_key.text: entry(RING.verify_key, b_v=64),
+                             RING.fold_key.text: entry(RING.fold_key, b_v=32)})
+    try:
+        decision = lookup.decide(t64, SLUG)
+        assert decision.config == KernelConfig(32, 64, 4, 2, gluon=1) and decision.how == "verify", decision
+        assert "Gluon" in decision.reason
+        assert lookup.decide(t64.fold_key, SLUG).config.b_v == 32  # the folded verify keeps its own entry
+        assert lookup.decide(RING, SLUG).config.b_v == 32  # a Triton bucket: the folded verify's entry
+        monkeypatch.setenv("BOLE_TUNE_LOOKUP", "strict")
+        lookup.clear_cache()
+        assert lookup.decide(t64, SLUG).config.gluon == 1
+    finally:
+        lookup.clear_cache()
+
+
+def test_the_tuner_times_a_gluon_bucket_s_ring_write_on_a_ring_the_gluon_verify_takes(monkeypatch):
+    """`bole-tune tune --ring` of a bucket whose launches run on the Gluon verify times its candidates on the
+    longest ring (up to RING_ROUNDS) whose tables the Gluon verify takes, so its Gluon configs are timed at all and
+    its Triton ones on the same ring; elsewhere on RING_ROUNDS rounds."""
+    from bole_tune import runners as runners_module
+    from bole_tune.config import RING_ROUNDS
+    from bole_tune.kernels.verify.gluon import MAX_RING_WIDTH, gluon_ring_rounds
+    from bole_tune.kernels import PendingRing
+
+    assert [gluon_ring_rounds(p, 4) for p in (4, 8, 9, 16, 17, 33)] == [4, 4, 3, 2, 1, 0]
+    for path in (4, 8, 9, 16, 17):
+        r = gluon_ring_rounds(path, 4)
+        assert PendingRing.table_width(r, path) <= MAX_RING_WIDTH
+        assert r == 4 or PendingRing.table_width(r + 1, path) > MAX_RING_WIDTH
+    t64 = dataclasses.replace(shape_key(tree=64, batch=16), ring=True)
+    gpu = GPURunner.__new__(GPURunner)
+    gpu.device = torch.device("cuda")
+    monkeypatch.setattr(runners_module, "gluon_device_refusal", lambda device: "")
+    assert gpu.ring_rounds(t64, 9) == 3 and gpu.ring_rounds(t64, 8) == RING_ROUNDS == 4
+    assert gpu.ring_rounds(RING, 9) == RING_ROUNDS  # 8-node trees: the Triton kernels' ring
+    assert gpu.ring_rounds(t64.verify_key, 9) == RING_ROUNDS  # not a ring write
+    monkeypatch.setattr(runners_module, "gluon_device_refusal", lambda device: "not sm_90")
+    assert gpu.ring_rounds(t64, 9) == RING_ROUNDS
+
+
+def test_the_runner_checks_and_times_the_ring_write_on_its_ring_rounds(monkeypatch):
+    from bole_tune.bench import CaseBench
+
+    key = ShapeKey(heads=HeadShape(hk=1, hv=2, dk=32, dv=32), dtype="fp32", tree_bucket=8, batch_bucket=1, ring=True)
+    runner = GPURunner("cpu", repeats=3)
+    asked = []
+    errors, timing = CaseBench.ring_errors, CaseBench.time_ring_write
+    monkeypatch.setattr(CaseBench, "ring_errors", lambda self, read=None, write=None, rounds=None:
+                        asked.append(("check", rounds)) or errors(self, read, write, rounds))
+    monkeypatch.setattr(CaseBench, "time_ring_write", lambda self, launch=None, rounds=None, repeats=50:
+                        asked.append(("time", rounds)) or timing(self, launch, rounds, repeats))
+    monkeypatch.setattr(GPURunner, "ring_rounds", lambda self, key, max_path: 2)
+    m = runner.measure(key, KernelConfig(16, 16, 4, 1))
+    assert m.status == "ok" and asked == [("check", 2), ("time", 2)], (m, asked)
+    assert "a ring of 2 rounds" in m.method
 
 
 def test_ring_errors_see_a_wrong_write_round(device, monkeypatch):

@@ -79,6 +79,15 @@ at width 32 holds 110,592 B of shared memory, two programs an SM; wider tables r
 MODES = {"verify": 0, "read": 1, "write": 2}
 
 
+def gluon_ring_rounds(max_path: int, most: int) -> int:
+    """The most rounds, up to ``most``, a `PendingRing` of paths of up to ``max_path`` nodes may keep and still run
+    its rounds on the Gluon verify (tables at most `MAX_RING_WIDTH` wide: 3 for 9-node paths, 4 for 8-node ones);
+    0 where not even one round fits."""
+    from .ring import PendingRing
+
+    return max((r for r in range(1, most + 1) if PendingRing.table_width(r, max_path) <= MAX_RING_WIDTH), default=0)
+
+
 def gluon_ready(device) -> str:
     """"" when the Gluon path can run on ``device``, else why not (no Gluon, not a CUDA device, not sm_90: the
     kernel's wgmma and TMA are Hopper's)."""
