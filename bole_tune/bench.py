@@ -441,10 +441,10 @@ def round_verdict(rows) -> list[dict]:
     out. Sorted by the ratio, the slowest against serial first."""
     cases: dict = {}
     for r in rows:
-        key = (r["label"], r["hv"], r["dtype"], r["batch"], r["tree_size"], r["max_depth"])
+        key = (r["label"], r["hv"], r["dtype"], r["batch"], r["tree_size"], r.get("kind", "random"), r["max_depth"])
         cases.setdefault(key, {})[r["kernel"]] = r["p50_us"]
     verdict = []
-    for (label, hv, dtype, batch, size, depth), us in cases.items():
+    for (label, hv, dtype, batch, size, kind, depth), us in cases.items():
         if "round_serial" not in us:
             continue
         ways = {w: us[w] for w in ROUND_WAYS if w in us}
@@ -453,7 +453,7 @@ def round_verdict(rows) -> list[dict]:
         if not ways:
             continue
         way = min(ways, key=ways.get)
-        verdict.append({"label": label, "hv": hv, "dtype": dtype, "batch": batch, "tree_size": size,
+        verdict.append({"label": label, "hv": hv, "dtype": dtype, "batch": batch, "tree_size": size, "kind": kind,
                         "max_depth": depth, "way": way, "round_us": round(ways[way], 2),
                         "serial_us": us["round_serial"], "speedup": round(us["round_serial"] / ways[way], 3)})
     return sorted(verdict, key=lambda v: v["speedup"])
@@ -464,7 +464,7 @@ def _row(kernel: str, case: BenchCase, timing: Timing, device) -> dict:
     s = case.shape
     return {
         "kernel": kernel, "label": case.label, "hk": s.hk, "hv": s.hv, "dk": s.dk, "dv": s.dv,
-        "dtype": dtype_name(case.dtype), "batch": case.batch, "tree_size": case.tree_size,
+        "dtype": dtype_name(case.dtype), "batch": case.batch, "tree_size": case.tree_size, "kind": case.kind,
         "max_depth": case.max_depth, "p20_us": round(timing.p20_us, 2), "p50_us": round(timing.p50_us, 2),
         "p80_us": round(timing.p80_us, 2), "floor_us": round(floor_us, 2),
         "floor_fraction": round(floor_us / timing.p50_us, 3), "method": timing.method,
@@ -525,23 +525,29 @@ def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.
     return run
 
 
-def verdict_of_files(paths, out=print) -> int:
+def verdict_of_files(paths, out=print, merged=None) -> int:
     """`round_verdict` over the rows of ``bole-tune bench --json`` files (one grid timed in several runs): the twelve
     slowest cases against the serial round, then the verdict's line; 1 where a case is not faster than the serial
-    round, else 0. ``python3 -m bole_tune.bench FILE...``."""
+    round, else 0. ``merged``: also write every file's rows and the verdict into one JSON file there (atomically).
+    ``python3 -m bole_tune.bench [--merge OUT.json] FILE...``."""
     import json
 
+    from bole_tune.atomic import write_text_atomic
     from bole_tune.render import round_verdict as verdict_line
 
-    rows = []
+    rows, env = [], None
     for path in paths:
         with open(path) as f:
-            rows += json.load(f)["rows"]
+            data = json.load(f)
+        rows += data["rows"]
+        env = env or data.get("environment")
     verdict = round_verdict(rows)
-    out(f"{'B':>3} {'T':>4} {'cheapest round':<26} {'us':>8} {'serial us':>9} {'speedup':>7}")
+    if merged:
+        write_text_atomic(merged, json.dumps({"environment": env, "rows": rows, "round_verdict": verdict}) + "\n")
+    out(f"{'B':>3} {'T':>4} {'kind':<6} {'cheapest round':<26} {'us':>8} {'serial us':>9} {'speedup':>7}")
     for v in verdict[:12]:
-        out(f"{v['batch']:>3} {v['tree_size']:>4} {v['way']:<26} {v['round_us']:>8.1f} {v['serial_us']:>9.1f} "
-            f"{v['speedup']:>6.2f}x")
+        out(f"{v['batch']:>3} {v['tree_size']:>4} {v['kind']:<6} {v['way']:<26} {v['round_us']:>8.1f} "
+            f"{v['serial_us']:>9.1f} {v['speedup']:>6.2f}x")
     out(verdict_line(verdict).replace("[bold red]", "").replace("[/]", ""))
     return int(any(v["speedup"] <= 1 for v in verdict))
 
@@ -549,6 +555,11 @@ def verdict_of_files(paths, out=print) -> int:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) < 2:
-        sys.exit("usage: python3 -m bole_tune.bench FILE.json ... (rows of bole-tune bench --json)")
-    sys.exit(verdict_of_files(sys.argv[1:]))
+    args, merged = sys.argv[1:], None
+    if args[:1] == ["--merge"]:
+        if len(args) < 2:
+            sys.exit("--merge: expected the path of the JSON file to write")
+        merged, args = args[1], args[2:]
+    if not args:
+        sys.exit("usage: python3 -m bole_tune.bench [--merge OUT.json] FILE.json ... (rows of bole-tune bench --json)")
+    sys.exit(verdict_of_files(args, merged=merged))

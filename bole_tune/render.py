@@ -246,7 +246,7 @@ def round_verdict(verdict) -> str:
     if not verdict:
         return "no round timed beside the serial round (rounds need the commit and the serial baseline)"
     worst, best = verdict[0], verdict[-1]
-    case = lambda v: f"{v['label']} B={v['batch']} T={v['tree_size']}"
+    case = lambda v: f"{v['label']} B={v['batch']} T={v['tree_size']}{' chain' if v.get('kind') == 'chain' else ''}"
     line = (f"the cheapest round against the serial round over {len(verdict)} cases: {worst['speedup']:.2f}x-"
             f"{best['speedup']:.1f}x; slowest {case(worst)}: {worst['way']} {worst['round_us']:.1f} us against "
             f"{worst['serial_us']:.1f}")

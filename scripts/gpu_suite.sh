@@ -10,8 +10,10 @@
 #   profile   a quick profile into $OUT's database (bole-tune profile --quick, curves)
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
 #   grid      bole-tune bench over the grid the round must beat the serial path on (9B; B 1-32, chains of 2-8 nodes
-#             and random trees of 8-256; GRID_BATCHES to choose), one JSON per batch and kind, then the cheapest
-#             round against the serial round over every case (bole_tune.bench.round_verdict) last
+#             and random trees of 8-256; GRID_BATCHES and GRID_KINDS, chains
+#             and/or trees, to choose), one run per batch and kind, merged into
+#             $OUT/grid.json with the cheapest round against the serial round over every case
+#             (bole_tune.bench.round_verdict), which it prints last
 #   step      bole-tune step, every model, into a copy of the shipped database in $OUT (STEP_ARGS for more flags)
 #   lookup    the runtime lookup's cost (bole-tune bench --lookup)
 #   commit    tune the commit launch for the 9B (bole-tune tune --commit --quick) into $OUT's database
@@ -60,12 +62,14 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
     bench) timeout "${BENCH_TIMEOUT:-300}" bole-tune bench --model qwen3.5-9b --json "$OUT/bench-9b.json" ;;
     grid) end=$((SECONDS + ${GRID_TIMEOUT:-480}))  # each run gets what is left of the stage's time
         for b in ${GRID_BATCHES:-1 2 4 8 16 32}; do
-          timeout $((end > SECONDS ? end - SECONDS : 1)) bole-tune bench --model qwen3.5-9b --batch "$b" --tree-size 2,3,4,5,6,7,8 \
-            --chain --repeats "${GRID_REPEATS:-20}" --json "$OUT/grid-chains-b$b.json"
-          timeout $((end > SECONDS ? end - SECONDS : 1)) bole-tune bench --model qwen3.5-9b --batch "$b" \
-            --tree-size 8,16,32,64,128,256 --ring-rounds 3 --repeats "${GRID_REPEATS:-20}" --json "$OUT/grid-trees-b$b.json"
+          [[ " ${GRID_KINDS:-chains trees} " == *" chains "* ]] && timeout $((end > SECONDS ? end - SECONDS : 1)) \
+            bole-tune bench --model qwen3.5-9b --batch "$b" --tree-size 2,3,4,5,6,7,8 --chain \
+            --repeats "${GRID_REPEATS:-20}" --json "$OUT/grid-chains-b$b.json"
+          [[ " ${GRID_KINDS:-chains trees} " == *" trees "* ]] && timeout $((end > SECONDS ? end - SECONDS : 1)) \
+            bole-tune bench --model qwen3.5-9b --batch "$b" --tree-size 8,16,32,64,128,256 --ring-rounds 3 \
+            --repeats "${GRID_REPEATS:-20}" --json "$OUT/grid-trees-b$b.json"
         done
-        python3 -m bole_tune.bench "$OUT"/grid-*.json ;;
+        python3 -m bole_tune.bench --merge "$OUT/grid.json" "$OUT"/grid-*-b*.json && rm -f "$OUT"/grid-*-b*.json ;;
     step) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
         BOLE_TUNE_DB="$OUT" timeout "${STEP_TIMEOUT:-540}" bole-tune step ${STEP_ARGS:-} ;;
     lookup) timeout "${LOOKUP_TIMEOUT:-120}" bole-tune bench --lookup ;;

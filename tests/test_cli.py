@@ -149,6 +149,9 @@ def test_the_round_verdict_names_the_cheapest_way_and_every_case_not_faster_than
     assert [(v["batch"], v["way"], v["round_us"]) for v in verdict] == [(32, "round_ring", 31.0),
                                                                        (1, "verify + all-layer commit", 6.5)]
     assert verdict[0]["speedup"] == pytest.approx(30 / 31, abs=1e-3) and verdict[1]["speedup"] == pytest.approx(2.0)
+    chain = [{**r, "kind": "chain", "p50_us": 2 * r["p50_us"]} for r in fast]  # the same size as a chain: its own case
+    assert sorted((v["kind"], v["round_us"]) for v in round_verdict(fast + chain)) == [("chain", 13.0),
+                                                                                      ("random", 6.5)]
     (tmp_path / "a.json").write_text(json.dumps({"rows": fast}))
     (tmp_path / "b.json").write_text(json.dumps({"rows": slow}))
     lines = []
