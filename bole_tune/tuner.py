@@ -174,7 +174,11 @@ def tune_bucket(runner, key: ShapeKey | CommitKey, space: SearchSpace, storage, 
         warm = list(warm_start)
         # the default and the first warm start (the bucket's own entry, where it has one) with each switch of the
         # space turned the other way (the commit's tma): a switch changes the kernel, so a re-tune measures both
-        starts = ([default] + warm[:1] + [t for c in [default] + warm[:1] for t in switch_twins(c, space)]
+        # and first of all what the bucket runs untuned where that is not the default (the Gluon verify's tiles on
+        # an sm_90 GPU): a study that never measured it could record a config slower than running untuned
+        untuned = (runner.untuned_config(key, default) if isinstance(key, ShapeKey) and hasattr(runner, "untuned_config")
+                   else default)
+        starts = ([untuned, default] + warm[:1] + [t for c in [default] + warm[:1] for t in switch_twins(c, space)]
                   + warm[1:] + kernel_starts(key))
         for config in dict.fromkeys(starts):  # in order, once each
             if space.contains(config):

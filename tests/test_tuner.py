@@ -287,6 +287,8 @@ def test_a_gluon_buckets_speedup_is_over_the_gluon_verify_it_runs_untuned(tmp_pa
     assert load_result(store, "replay-gpu", key).default == UNTUNED_CONFIG  # kept in the study
     study = optuna.load_study(study_name=result.study_name, storage=store)
     assert study.user_attrs[UNTUNED_CONFIG_ATTR] == UNTUNED_CONFIG.text
+    # and it is the study's first trial: a study that never measured it could record a config slower than it
+    assert KernelConfig.from_dict(study.trials[0].params) == UNTUNED_CONFIG
     # the GPU runner's answer: the Gluon tiles on an sm_90 GPU for a Gluon bucket, the default elsewhere
     gpu = GPURunner.__new__(GPURunner)
     gpu.device = torch.device("cuda")
