@@ -582,18 +582,44 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state, b_k, b_v), *tables,
             shape.scale, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1],
             ss[0], ss[1], ss[2])
-    options = dict(MODE_OPTIONS[mode])
-    options["ALIAS_R"] = options["ALIAS_R"] and 2 * b_k == B_T  # R' in the state parts' bytes where they are its size
-    meta = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR, MODE=mode, B_P=b_p,
-                PREFETCH=config.num_stages >= 2, **options, **layouts(q.dtype, mode, b_p, b_k, b_v), num_warps=4)
+    meta_key = (q.dtype, mode, b_p, b_k, b_v, config.num_stages >= 2, h.dk, h.dv)
+    meta = _metas.get(meta_key)
+    if meta is None:  # its layout objects are built once per key: building them costs host time on every call
+        options = dict(MODE_OPTIONS[mode])
+        options["ALIAS_R"] = options["ALIAS_R"] and 2 * b_k == B_T  # R' in the state parts' bytes where their size
+        meta = _metas[meta_key] = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR,
+                                       MODE=mode, B_P=b_p, PREFETCH=config.num_stages >= 2, **options,
+                                       **layouts(q.dtype, mode, b_p, b_k, b_v), num_warps=4)
     return (h.hv, shape.num_requests), args, meta
+
+
+_metas: dict = {}
+_launchers: list = []
 
 
 def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring=None) -> None:
     """One launch with ``config``'s tiles on inputs `run.run_launch` has checked and `gluon_takes` accepted, writing
-    into ``res``."""
+    into ``res``: keyed (`FastLauncher.launch_keyed`) on the tiles, the mode and table width, the dtypes and every
+    integer argument (Triton specialises on them), with the tensors passed as their addresses where all are 16-byte
+    aligned (else Triton's own specialisation by argument), so an eager call does not pay Triton's binder over the
+    kernel's layout constants."""
     grid, args, meta = launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring)
-    gluon_verify_kernel[grid](*args, **meta)
+    if not _launchers:
+        from ..launcher import FastLauncher
+
+        _launchers.append(FastLauncher(gluon_verify_kernel))
+    fast, bits = [], 0
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            address = a.data_ptr()
+            bits |= address
+            fast.append(address)
+        else:
+            fast.append(a)
+    key = None if bits & 15 else (
+        "gluon", config, meta["MODE"], meta["B_P"], q.dtype, g.dtype, beta.dtype, state_indices.dtype,
+        *(a for a in args if type(a) is int))
+    _launchers[0].launch_keyed(key, grid, tuple(fast), lambda: args, lambda: meta)
 
 
 def compile_sm90(args: tuple, meta: dict, fn=None):
