@@ -85,8 +85,11 @@ class FastLauncher:
                 return None
             if isinstance(arg, torch.Tensor):
                 spec.append((arg.dtype, kind == "tensor-any-alignment" or arg.data_ptr() & 15 == 0))
-            elif isinstance(arg, TensorDescriptor):  # Triton's type: the base's dtype and the block (rank, padding)
-                spec.append(("tensordesc", arg.base.dtype, tuple(arg.block_shape), len(arg.shape), arg.padding))
+            elif isinstance(arg, TensorDescriptor) or (hasattr(arg, "block_shape") and hasattr(arg, "base")):
+                # a host tensor descriptor (Triton's, or Gluon's with its shared-memory layout): the base's dtype,
+                # the block, the rank, the padding and the layout
+                spec.append(("tensordesc", arg.base.dtype, tuple(arg.block_shape), len(arg.shape),
+                             getattr(arg, "padding", None), getattr(arg, "layout", None)))
             elif type(arg) is int and kind == "range":
                 spec.append(-0x80000000 <= arg <= 0x7FFFFFFF)
             elif type(arg) is float:
