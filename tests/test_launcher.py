@@ -243,3 +243,19 @@ def test_kept_binaries_verify_and_commit_exactly_on_the_gpu():
         assert_close(pool, expected, TOLERANCE[torch.float32], f"commit call {call}")
     assert len(commit_module.COMMIT.compiled) == 1
 
+
+
+def test_the_argument_key_takes_gluon_s_tensor_descriptor():
+    """Gluon's host TensorDescriptor is not Triton's class: the key must still take it as a descriptor (its dtype,
+    block and layout), not as a plain value it cannot hash (the Gluon verify failed its self-check on that)."""
+    gluon = pytest.importorskip("bole_tune.kernels.verify.gluon")
+    if gluon.gluon is None:
+        pytest.skip(f"no Gluon in this Triton: {gluon.GLUON_IMPORT_ERROR}")
+    from bole_tune.kernels.launcher import FastLauncher
+
+    launcher = FastLauncher(gluon.gluon_verify_kernel)
+    pool = torch.zeros(2, 4, 128, 128)
+    a, b = gluon._pool_descriptor(pool, 32, 64), gluon._pool_descriptor(pool, 64, 64)
+    key_a, key_b = launcher.key((a,), {}), launcher.key((b,), {})
+    assert hash(key_a) != hash(key_b) and key_a != key_b  # another block: another binary
+    assert key_a[1][0] == "tensordesc" and key_a[1][1] == torch.float32 and tuple(key_a[1][2]) == (64, 32)
