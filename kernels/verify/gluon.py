@@ -608,7 +608,7 @@ def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, confi
         from ..launcher import FastLauncher
 
         _launchers.append(FastLauncher(gluon_verify_kernel))
-    fast, bits = [], 0
+    fast, ints, bits = [], [], 0  # one pass: the tensors' addresses, and the integers Triton specialises on
     for a in args:
         if isinstance(a, torch.Tensor):
             address = a.data_ptr()
@@ -616,9 +616,10 @@ def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, confi
             fast.append(address)
         else:
             fast.append(a)
+            if type(a) is int:
+                ints.append(a)
     key = None if bits & 15 else (
-        "gluon", config, meta["MODE"], meta["B_P"], q.dtype, g.dtype, beta.dtype, state_indices.dtype,
-        *(a for a in args if type(a) is int))
+        "gluon", config, meta["MODE"], meta["B_P"], q.dtype, g.dtype, beta.dtype, state_indices.dtype, *ints)
     _launchers[0].launch_keyed(key, grid, tuple(fast), lambda: args, lambda: meta)
 
 
