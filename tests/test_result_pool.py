@@ -180,3 +180,21 @@ def test_sets_stay_on_their_stream_and_out_of_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(captured.o.float(), verify_reference(*x.args(tree)).o, TOLERANCE[F32], "captured o")
+
+
+def test_a_new_shape_makes_the_pool_forget_the_least_recently_used():
+    one = ResultPool(max_bytes=2 ** 30)
+    one.take(heads_shape(n=6), F32, torch.device("cpu"))
+    nbytes = one.bytes  # one set of this size
+    pool = ResultPool(max_bytes=2 * nbytes)  # room for two sets of this size
+    cpu = torch.device("cpu")
+    pool.take(heads_shape(n=6), F32, cpu)  # shape A
+    pool.take(heads_shape(n=6, b=3), F32, cpu)  # shape B (same bytes but for committed's padding)
+    pool.take(heads_shape(n=6), F32, cpu)  # A again (free, recycled): B is now the least recently used
+    assert pool.bytes <= pool.max_bytes and len(pool._sets) == 2
+    pool.take(heads_shape(n=6, b=4), F32, cpu)  # shape C: B is forgotten, A kept
+    assert {key[:2] for key in pool._sets} == {(6, 2), (6, 4)}
+    assert pool.bytes <= pool.max_bytes
+    assert pool.bytes == sum(pool._bytes_of.values())
+    too_big = pool.take(heads_shape(n=4000), F32, cpu)  # larger than the whole pool: fresh, nothing forgotten
+    assert too_big[0].shape[0] == 4000 and {key[:2] for key in pool._sets} == {(6, 2), (6, 4)}

@@ -137,8 +137,10 @@ class ResultPool:
 
     A result the caller keeps (to commit it, or as the next round's ``pending``) keeps its set out of the pool;
     the pool then makes another, up to ``max_sets`` per shape and ``max_bytes`` in all (``BOLE_TUNE_RESULT_POOL_MB``,
-    default 256; 0 turns the pool off), and past those allocates as before. `release` empties it. Engines that
-    manage their own memory pass ``out`` (or a `PendingRing`'s arena) and never touch the pool.
+    default 256; 0 turns the pool off). A new shape that does not fit makes the pool forget the shapes least
+    recently used (an engine's batch size changes from step to step), and a set larger than the whole pool is
+    allocated as before. `release` empties it. Engines that manage their own memory pass ``out`` (or a
+    `PendingRing`'s arena) and never touch the pool.
     """
 
     def __init__(self, max_bytes: int, max_sets: int = 64):
@@ -147,6 +149,9 @@ class ResultPool:
         self.bytes = 0
         self._sets: dict[tuple, list] = {}  # key -> [[buffers, holds when made], ...]
         self._turn: dict[tuple, int] = {}  # key -> the set to try first (the one after the last handed out)
+        self._bytes_of: dict[tuple, int] = {}  # key -> bytes of its sets
+        self._used: dict[tuple, int] = {}  # key -> when it last handed out a set (a call count)
+        self._calls = 0
 
     def take(self, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
         """Six buffers for one call's result: a free set of the pool's, a new pooled set, or fresh tensors."""
@@ -165,15 +170,19 @@ class ResultPool:
                 entry = sets[j]
                 if _holds(entry[0]) == entry[1]:
                     self._turn[key] = (j + 1) % count
+                    self._calls += 1
+                    self._used[key] = self._calls
                     return tuple(entry[0])  # a new tuple: what the caller keeps of it counts as a hold
         return self.grow(key, shape, dtype, device)
 
     def grow(self, key: tuple, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
         layout = _buffer_layout(shape, dtype)
         sizes = [-(-torch.Size(size).numel() * dt.itemsize // _ALIGN) * _ALIGN for size, dt in layout]
-        sets = self._sets.get(key, [])
-        if len(sets) >= self.max_sets or self.bytes + sum(sizes) > self.max_bytes:
+        sets, need = self._sets.get(key, []), sum(sizes)
+        if len(sets) >= self.max_sets or self._bytes_of.get(key, 0) + need > self.max_bytes:
             return self.fresh(shape, dtype, device)
+        while self.bytes + need > self.max_bytes:  # forget the shape least recently used (not this one)
+            self.forget(min((k for k in self._sets if k != key), key=self._used.__getitem__))
         whole = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         buffers, start = [], 0
         for (size, dt), nbytes in zip(layout, sizes):
@@ -185,8 +194,16 @@ class ResultPool:
         sets[-1][1] = _holds(sets[-1][0])  # the pool's own holds: the baseline a free set shows again
         self._sets[key] = sets
         self._turn[key] = 0  # the oldest set next: in an engine's steady state the first one freed
-        self.bytes += sum(sizes)
+        self._bytes_of[key] = self._bytes_of.get(key, 0) + need
+        self.bytes += need
+        self._calls += 1
+        self._used[key] = self._calls
         return tuple(buffers)
+
+    def forget(self, key: tuple) -> None:
+        """Stop recycling one shape's sets (their memory goes back to torch's allocator once no result holds it)."""
+        del self._sets[key], self._turn[key], self._used[key]
+        self.bytes -= self._bytes_of.pop(key)
 
     @staticmethod
     def fresh(shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -194,9 +211,8 @@ class ResultPool:
 
     def release(self) -> None:
         """Forget every set (their memory goes back to torch's allocator once the caller's results are gone)."""
-        self._sets.clear()
-        self._turn.clear()
-        self.bytes = 0
+        for key in list(self._sets):
+            self.forget(key)
 
 
 RESULT_POOL = ResultPool(int(float(os.environ.get("BOLE_TUNE_RESULT_POOL_MB", "256")) * 2 ** 20))
