@@ -8,7 +8,7 @@ the short convolution in `conv.py`, the gates in `gates.py`; the float64 referen
 from .conv import tree_conv, tree_conv_commit
 from .gates import gdn_gates
 from .verify.planner import Launch, LaunchPolicy, Planner
-from .verify.result import PendingCommit, PendingPaths, TreeVerifyResult
+from .verify.result import PendingCommit, PendingPaths, TreeVerifyResult, release_result_pool
 from .verify.ring import PendingRing, RingRead, RingResults, RingRound
 from .verify.serial_verify import serial_verify
 from .verify.tree_commit import LayerResults, tree_commit, tree_commit_layers
@@ -17,4 +17,4 @@ from .verify.tree_verify import PLANNER, plan_launch, tree_verify
 __all__ = ["LayerResults", "Launch", "LaunchPolicy", "PLANNER", "PendingCommit", "PendingPaths", "PendingRing", "Planner",
            "RingRead", "RingResults", "RingRound",
            "TreeVerifyResult", "gdn_gates", "plan_launch",
-           "serial_verify", "tree_commit", "tree_commit_layers", "tree_conv", "tree_conv_commit", "tree_verify"]
+           "release_result_pool", "serial_verify", "tree_commit", "tree_commit_layers", "tree_conv", "tree_conv_commit", "tree_verify"]

@@ -20,7 +20,7 @@ from bole_tune.kernels import (PLANNER, LayerResults, PendingCommit, PendingPath
                                tree_commit_layers, tree_verify)
 from bole_tune.kernels.verify.tree_commit import commit_config
 from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
-from bole_tune.kernels.verify.result import result_buffers
+from bole_tune.kernels.verify.result import RESULT_POOL, result_buffers
 from bole_tune.kernels.verify.run import run_launch
 from bole_tune.workloads import make_inputs, make_tree
 
@@ -138,6 +138,7 @@ def main() -> None:
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
+        "tree_verify folded (pending=, default)": lambda: tree_verify(*a, pending=pending),
         "tree_verify ring read round (ring=)": lambda: tree_verify(*a, ring=read.layer(arena)),
         "tree_verify ring write round (ring=)": lambda: tree_verify(*a, ring=write.layer(arena)),
         "ring.begin + step.layer": lambda: ring.begin(tree).layer(arena),
@@ -150,7 +151,8 @@ def main() -> None:
         "  check_pending": lambda: check_pending(pending, shape, x.q.device, res2, None),
         "  PLANNER.plan": lambda: PLANNER.plan(shape.heads, torch.bfloat16, num_requests=args.batch,
                                                max_tree_size=tree.max_tree_size, depth=tree.depth, device=dev),
-        "  result_buffers (fresh)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
+        "  result_buffers (recycled set)": lambda: result_buffers(shape, torch.bfloat16, x.q.device, tree, None),
+        "  six fresh buffers (no pool)": lambda: RESULT_POOL.fresh(shape, torch.bfloat16, x.q.device),
         "  run_launch": lambda: run_launch(launch, *a, shape, res2, True),
         "  torch.empty x1": lambda: torch.empty(64, device=dev),
     }
@@ -160,10 +162,12 @@ def main() -> None:
     for name, fn in rows.items():
         measured[name.strip()] = per_call(fn)
         print(f"{name:40s} {measured[name.strip()]:8.1f} us/call")
+    sets = {f"N={key[0]} B={key[1]}": len(entries) for key, entries in RESULT_POOL._sets.items()}
+    print(f"recycled result sets after the loops: {sets} ({RESULT_POOL.bytes / 2 ** 20:.2f} MiB)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "tree_size": args.tree_size, "launch": f"{launch.variant} {launch.config}",
-                       "us_per_call": measured}, f, indent=1)
+                       "us_per_call": measured, "result_pool_sets": sets}, f, indent=1)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

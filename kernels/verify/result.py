@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -100,20 +102,137 @@ def commit_epoch() -> int:
     return next(_epochs) % (2 ** 31 - 1) + 1
 
 
+_ALIGN = 256  # each buffer of a recycled set starts on a 256-byte boundary of the set's one allocation
+
+
+def _buffer_layout(shape: VerifyShape, dtype: torch.dtype) -> tuple:
+    """The six buffers' ``(shape, dtype)`` in `TreeVerifyResult`'s order."""
+    h, n, f32 = shape.heads, shape.num_nodes, torch.float32
+    return (((n, h.hv, h.dv), dtype), ((n, h.hv, h.dv), f32), ((n, h.hv), f32), ((n, h.hk, h.dk), dtype),
+            ((n, h.hk), f32), ((shape.num_requests,), torch.int32))
+
+
+def _holds(buffers: list) -> tuple:
+    """What holds a recycled set: each tensor's Python references and its TensorImpl's owners, and how many
+    tensors share the set's storage. Compared with the same figures taken when the set was made (only the pool
+    holding it), so the figures' meaning per torch version does not matter."""
+    refs = sys.getrefcount
+    o, u, log_decay, k, k_scale, committed = buffers
+    return (refs(o), refs(u), refs(log_decay), refs(k), refs(k_scale), refs(committed),
+            o._use_count(), u._use_count(), log_decay._use_count(), k._use_count(), k_scale._use_count(),
+            committed._use_count(), torch._C._storage_Use_Count(o.untyped_storage()._cdata))
+
+
+class ResultPool:
+    """The default call's result buffers, recycled once nothing outside the pool holds them.
+
+    An eager `tree_verify` without ``out`` used to allocate six fresh tensors: six ``torch.empty`` calls, 18-26 us
+    of host time at B=1 on the H200 machine (BENCHMARKS.md, the host path), more than the rest of the call. The
+    pool keeps each set it made (one allocation, six views) and hands a set out again only when no Python
+    reference, no other owner of its tensors and no other view of its storage remains: the caching allocator's
+    contract (memory is reused once nothing refers to it), checked on the host without a sync in about 2 us. A set
+    is reused only on the stream it was last handed out on (as the caching allocator keeps a block to its stream),
+    never during CUDA-graph capture (a captured call gets fresh buffers from the graph's pool), and the kernels
+    write every element of a result, so a recycled set never shows a value of an earlier call.
+
+    A result the caller keeps (to commit it, or as the next round's ``pending``) keeps its set out of the pool;
+    the pool then makes another, up to ``max_sets`` per shape and ``max_bytes`` in all (``BOLE_TUNE_RESULT_POOL_MB``,
+    default 256; 0 turns the pool off). A new shape that does not fit makes the pool forget the shapes least
+    recently used (an engine's batch size changes from step to step), and a set larger than the whole pool is
+    allocated as before. `release` empties it. Engines that manage their own memory pass ``out`` (or a
+    `PendingRing`'s arena) and never touch the pool.
+    """
+
+    def __init__(self, max_bytes: int, max_sets: int = 64):
+        self.max_bytes = max_bytes
+        self.max_sets = max_sets
+        self.bytes = 0
+        self._sets: dict[tuple, list] = {}  # key -> [[buffers, holds when made], ...]
+        self._turn: dict[tuple, int] = {}  # key -> the set to try first (the one after the last handed out)
+        self._bytes_of: dict[tuple, int] = {}  # key -> bytes of its sets
+        self._used: dict[tuple, int] = {}  # key -> when it last handed out a set (a call count)
+        self._calls = 0
+
+    def take(self, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
+        """Six buffers for one call's result: a free set of the pool's, a new pooled set, or fresh tensors."""
+        stream = 0
+        if device.type == "cuda":
+            if torch._C._cuda_isCurrentStreamCapturing():
+                return self.fresh(shape, dtype, device)
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
+        key = (shape.num_nodes, shape.num_requests, shape.heads, dtype, device, stream)
+        sets = self._sets.get(key)
+        if sets is not None:
+            count = len(sets)
+            first = self._turn[key]
+            for i in range(min(count, 4)):  # in an engine's steady state the first one tried is free
+                j = (first + i) % count
+                entry = sets[j]
+                if _holds(entry[0]) == entry[1]:
+                    self._turn[key] = (j + 1) % count
+                    self._calls += 1
+                    self._used[key] = self._calls
+                    return tuple(entry[0])  # a new tuple: what the caller keeps of it counts as a hold
+        return self.grow(key, shape, dtype, device)
+
+    def grow(self, key: tuple, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
+        layout = _buffer_layout(shape, dtype)
+        sizes = [-(-torch.Size(size).numel() * dt.itemsize // _ALIGN) * _ALIGN for size, dt in layout]
+        sets, need = self._sets.get(key, []), sum(sizes)
+        if len(sets) >= self.max_sets or self._bytes_of.get(key, 0) + need > self.max_bytes:
+            return self.fresh(shape, dtype, device)
+        while self.bytes + need > self.max_bytes:  # forget the shape least recently used (not this one)
+            self.forget(min((k for k in self._sets if k != key), key=self._used.__getitem__))
+        whole = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        buffers, start = [], 0
+        for (size, dt), nbytes in zip(layout, sizes):
+            count = torch.Size(size).numel()
+            buffers.append(whole[start:start + count * dt.itemsize].view(dt).view(size))
+            start += nbytes
+        del whole
+        sets.append([buffers, None])  # the pool keeps the list, the caller gets a tuple of its own
+        sets[-1][1] = _holds(sets[-1][0])  # the pool's own holds: the baseline a free set shows again
+        self._sets[key] = sets
+        self._turn[key] = 0  # the oldest set next: in an engine's steady state the first one freed
+        self._bytes_of[key] = self._bytes_of.get(key, 0) + need
+        self.bytes += need
+        self._calls += 1
+        self._used[key] = self._calls
+        return tuple(buffers)
+
+    def forget(self, key: tuple) -> None:
+        """Stop recycling one shape's sets (their memory goes back to torch's allocator once no result holds it)."""
+        del self._sets[key], self._turn[key], self._used[key]
+        self.bytes -= self._bytes_of.pop(key)
+
+    @staticmethod
+    def fresh(shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
+        return tuple(torch.empty(size, dtype=dt, device=device) for size, dt in _buffer_layout(shape, dtype))
+
+    def release(self) -> None:
+        """Forget every set (their memory goes back to torch's allocator once the caller's results are gone)."""
+        for key in list(self._sets):
+            self.forget(key)
+
+
+RESULT_POOL = ResultPool(int(float(os.environ.get("BOLE_TUNE_RESULT_POOL_MB", "256")) * 2 ** 20))
+"""The process's pool of the default call's result buffers (`ResultPool`)."""
+
+
+def release_result_pool() -> None:
+    """Empty the pool of recycled result buffers (`ResultPool.release`)."""
+    RESULT_POOL.release()
+
+
 def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBatch,
                    out: TreeVerifyResult | None) -> TreeVerifyResult:
-    """Fresh output buffers, or ``out`` (for example reused across layers) after checking it fits."""
+    """Recycled or fresh output buffers (`RESULT_POOL`), or ``out`` (for example reused across layers) after
+    checking it fits."""
     h, n = shape.heads, shape.num_nodes
     if type(device) is not torch.device:
         device = torch.device(device)
-    if out is None:  # the default call: six fresh buffers, nothing else (a call's host time counts)
-        f32, hv, hk = torch.float32, h.hv, h.hk
-        return TreeVerifyResult(torch.empty((n, hv, h.dv), dtype=dtype, device=device),
-                                torch.empty((n, hv, h.dv), dtype=f32, device=device),
-                                torch.empty((n, hv), dtype=f32, device=device),
-                                torch.empty((n, hk, h.dk), dtype=dtype, device=device),
-                                torch.empty((n, hk), dtype=f32, device=device),
-                                torch.empty((shape.num_requests,), dtype=torch.int32, device=device), tree)
+    if out is None:  # the default call: a free set of the pool's, nothing else (a call's host time counts)
+        return TreeVerifyResult(*RESULT_POOL.take(shape, dtype, device), tree)
     if type(out) is TreeVerifyResult:  # the same conditions as below as plain comparisons, the common case
         f32, hv, hk = torch.float32, h.hv, h.hk
         o, u, log_decay, k, k_scale, committed = out.o, out.u, out.log_decay, out.k, out.k_scale, out.committed
