@@ -154,6 +154,16 @@ def test_a_different_shape_gets_its_own_set(device):
 
 
 @requires_gpu
+def test_a_device_without_its_number_is_the_current_one():
+    pool = ResultPool(max_bytes=2 ** 30)
+    first = pool.take(heads_shape(), F32, torch.device("cuda"))
+    assert first[0].device == torch.device("cuda", torch.cuda.current_device())
+    used = first[0].data_ptr()
+    del first
+    assert pool.take(heads_shape(), F32, torch.device("cuda", torch.cuda.current_device()))[0].data_ptr() == used
+
+
+@requires_gpu
 def test_sets_stay_on_their_stream_and_out_of_graph_capture():
     tree, x = case("cuda", 6)
     first = tree_verify(*x.args(tree))

@@ -159,6 +159,8 @@ class ResultPool:
         if device.type == "cuda":
             if torch._C._cuda_isCurrentStreamCapturing():
                 return self.fresh(shape, dtype, device)
+            if device.index is None:  # "cuda": the current device, one key with its numbered name
+                device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (shape.num_nodes, shape.num_requests, shape.heads, dtype, device, stream)
         sets = self._sets.get(key)
