@@ -12,7 +12,8 @@ import torch
 
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
-from bole_tune.kernels.verify.result import RESULT_POOL, ResultPool, VerifyShape, release_result_pool
+from bole_tune.kernels.verify.result import (RESULT_POOL, ResultPool, VerifyShape, pool_bytes_of_environment,
+                                             release_result_pool)
 from bole_tune.shapes import HeadShape
 from bole_tune.workloads import make_inputs, make_tree
 from conftest import requires_gpu
@@ -130,6 +131,17 @@ def test_limits_of_the_pool():
     del again
     few.release()
     assert few.bytes == 0 and not few._sets
+
+
+@pytest.mark.parametrize("text,expected", [("256", 256 * 2 ** 20), ("0", 0), ("0.5", 2 ** 19), ("-1", None),
+                                           ("lots", None), ("nan", None), ("inf", None)])
+def test_the_pool_size_of_the_environment(monkeypatch, text, expected):
+    monkeypatch.setenv("BOLE_TUNE_RESULT_POOL_MB", text)
+    if expected is None:
+        with pytest.raises(ValueError, match="BOLE_TUNE_RESULT_POOL_MB"):
+            pool_bytes_of_environment()
+    else:
+        assert pool_bytes_of_environment() == expected
 
 
 def test_sets_are_aligned_and_do_not_overlap():

@@ -217,7 +217,20 @@ class ResultPool:
             self.forget(key)
 
 
-RESULT_POOL = ResultPool(int(float(os.environ.get("BOLE_TUNE_RESULT_POOL_MB", "256")) * 2 ** 20))
+def pool_bytes_of_environment() -> int:
+    """``BOLE_TUNE_RESULT_POOL_MB`` in bytes (default 256 MiB; 0: no pool)."""
+    text = os.environ.get("BOLE_TUNE_RESULT_POOL_MB", "256")
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0 or mib == float("inf"):
+        raise ValueError(f"BOLE_TUNE_RESULT_POOL_MB: expected a number of MiB >= 0 (0 turns the pool of result "
+                         f"buffers off), got {text!r}")
+    return int(mib * 2 ** 20)
+
+
+RESULT_POOL = ResultPool(pool_bytes_of_environment())
 """The process's pool of the default call's result buffers (`ResultPool`)."""
 
 

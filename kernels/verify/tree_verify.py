@@ -46,7 +46,8 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         scale: multiplies q (default ``dk ** -0.5``); use_qk_l2norm: L2-normalise q and k first.
         config: tile configuration; None takes the tuned one for this GPU and shape.
         validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
-        out: a `TreeVerifyResult` to write into instead of allocating (buffers reused across layers).
+        out: a `TreeVerifyResult` to write into (buffers reused across layers). None: a set of buffers recycled
+            from an earlier call that nothing holds any more, else fresh ones (`result.ResultPool`).
         variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head),
             "stream" (the resident kernel, one value tile of ``b_v`` rows per program, its state read first) or None: with ``config=None`` the kernel the database's config was tuned on, else the
             planner's choice by batch and tree size. Both give the same results.
