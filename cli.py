@@ -432,8 +432,10 @@ COMMANDS = {
                "--no-serial": {**FLAG, "help": "skip the serial baseline"},
                "--no-commit": {**FLAG, "help": "skip tree_commit and the rounds"},
                "--chain": {**FLAG, "help": "each request a chain of T nodes (an MTP drafter's proposal)"},
-               "--ring-rounds": {"type": int, "default": RING_ROUNDS, "choices": range(1, 17), "metavar": "R",
-                                 "help": f"rounds a PendingRing keeps pending in the ring rows (default {RING_ROUNDS})"},
+               "--ring-rounds": {"type": int, "default": None, "choices": range(1, 17), "metavar": "R",
+                                 "help": f"rounds a PendingRing keeps pending in the ring rows (default {RING_ROUNDS}, "
+                                         "or where the Gluon verify runs a case's ring rounds the most up to it that "
+                                         "kernel takes: 3 for trees of depth 8)"},
                "--repeats": {**REPEATS, "default": 50}, "--lookup": {**FLAG, "help": "only time the runtime lookup"},
                "--json": {"type": Path, "help": "also write the rows as JSON to this file"}}),
     "step": (cmd_step, "measure the whole verification step of each model (needs a GPU)",

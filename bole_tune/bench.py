@@ -22,6 +22,7 @@ from bole_tune.config import RING_ROUNDS, KernelConfig
 from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, PendingPaths, PendingRing, serial_verify,
                                tree_commit, tree_commit_layers, tree_verify)
 from bole_tune.kernels.reference import commit_closed_form, verify_reference
+from bole_tune.kernels.verify.gluon import gluon_ring_rounds
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape, dtype_name
 from bole_tune.timing import Timing, l2_cache_bytes, rotation_count, time_eager_host, time_launches
@@ -98,6 +99,16 @@ class CaseBench:
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
                             depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device,
                             config=config, variant=variant, tuned_on=tuned_on, fold=fold, ring=ring, gluon=gluon)
+
+    def ring_rounds(self) -> int:
+        """The rounds of the ring this case's ring rows keep by default: `RING_ROUNDS`, or where its ring rounds
+        run on the Gluon verify, the most up to it whose tables that kernel takes (`gluon.gluon_ring_rounds`: 3 for
+        the 9-node paths of trees of depth 8, whose ring of 4 only the slower Triton kernel runs), as an engine keeps
+        there (`GPURunner.ring_rounds` times the tuner's ring writes the same way)."""
+        if not self.launch(ring=True).gluon:
+            return RING_ROUNDS
+        depth = max(self.tree().depth, self.reference_instance()[0].depth)
+        return gluon_ring_rounds(depth + 1, RING_ROUNDS) or RING_ROUNDS
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
@@ -411,10 +422,12 @@ def bench_commit(case: BenchCase, device="cuda", repeats: int = 50, bench: CaseB
 
 
 def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50, bench: CaseBench | None = None,
-                 ring_rounds: int = RING_ROUNDS) -> list[dict]:
+                 ring_rounds: int | None = None) -> list[dict]:
     """Rows of `CaseBench.time_rounds`: what a layer's round (verify and commit) costs each way, per layer.
-    A round's byte floor adds one write of the state to the verifier's."""
+    A round's byte floor adds one write of the state to the verifier's. ``ring_rounds``: the ring's rounds (None:
+    the case's own, `CaseBench.ring_rounds`)."""
     bench = bench or CaseBench(case, device)
+    ring_rounds = ring_rounds or bench.ring_rounds()
     rows = []
     for kernel, timing in bench.time_rounds(layers, repeats, ring_rounds).items():
         row = _row(kernel, case, timing, device)
@@ -484,7 +497,7 @@ class BenchRun:
 
 def run_cases(models, batches=None, tree_sizes=None, dtype: torch.dtype = torch.bfloat16, max_depth: int = 8,
               repeats: int = 50, serial: bool = True, commit: bool = True, chain: bool = False,
-              ring_rounds: int = RING_ROUNDS, progress=None) -> BenchRun:
+              ring_rounds: int | None = None, progress=None) -> BenchRun:
     """`bench_verify` (and the serial baseline, `bench_commit` and the layer's round each way, `bench_rounds`)
     for every model profile, batch and tree size (``chain``: each request a chain, not a random tree).
 

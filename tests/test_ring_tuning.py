@@ -216,3 +216,25 @@ def test_tune_ring_on_the_command_line(tmp_path):
     ring = json.loads(run(*lookup_args, "--ring").stdout)
     assert (ring["key"], ring["how"], ring["config"]) == (RING.text, "exact", configs[RING.text]["config"])
     assert json.loads(run(*lookup_args, "--fold").stdout)["how"] != "exact"  # the folded verify: not the ring's
+
+
+@pytest.mark.parametrize("size,gluon,expected", [(9, True, 3), (8, True, 4), (9, False, 4), (17, True, 1)])
+def test_bench_rows_keep_the_ring_the_case_s_kernel_takes(monkeypatch, size, gluon, expected):
+    """`bole-tune bench`'s ring rows by default keep the ring an engine keeps there: `RING_ROUNDS` rounds, or on the
+    Gluon verify the most its tables take (9-node paths: 3; a ring of 4 would run on the slower Triton kernel)."""
+    from bole_tune.bench import BenchCase, CaseBench, bench_rounds
+    from bole_tune.config import RING_ROUNDS
+
+    bench = CaseBench(BenchCase(HeadShape(hk=1, hv=2, dk=32, dv=32), 1, size, torch.float32, kind="chain"), "cpu")
+    launch = bench.launch(ring=True)
+    assert not launch.gluon  # no Gluon on the CPU: RING_ROUNDS
+    assert bench.ring_rounds() == RING_ROUNDS == 4
+    plan = CaseBench.launch
+    monkeypatch.setattr(CaseBench, "launch", lambda self, *a, **kw: dataclasses.replace(plan(self, *a, **kw),
+                                                                                        gluon=gluon))
+    assert bench.ring_rounds() == expected
+    asked = []
+    monkeypatch.setattr(CaseBench, "time_rounds", lambda self, layers, repeats, rounds: asked.append(rounds) or {})
+    bench_rounds(bench.case, 2, "cpu", bench=bench)
+    bench_rounds(bench.case, 2, "cpu", bench=bench, ring_rounds=2)
+    assert asked == [expected, 2]
