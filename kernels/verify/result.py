@@ -126,12 +126,12 @@ def _holds(buffers: list) -> tuple:
 class ResultPool:
     """The default call's result buffers, recycled once nothing outside the pool holds them.
 
-    An eager `tree_verify` without ``out`` used to allocate six fresh tensors: six ``torch.empty`` calls, 18-26 us
+    An eager `tree_verify` without ``out`` used to allocate six fresh tensors: six ``torch.empty`` calls, 18-39 us
     of host time at B=1 on the H200 machine (BENCHMARKS.md, the host path), more than the rest of the call. The
     pool keeps each set it made (one allocation, six views) and hands a set out again only when no Python
     reference, no other owner of its tensors and no other view of its storage remains: the caching allocator's
     contract (memory is reused once nothing refers to it), checked on the host without a sync in about 2 us. A set
-    is reused only on the stream it was last handed out on (as the caching allocator keeps a block to its stream),
+    is handed out only on the stream it was made on (as the caching allocator keeps a block to its stream),
     never during CUDA-graph capture (a captured call gets fresh buffers from the graph's pool), and the kernels
     write every element of a result, so a recycled set never shows a value of an earlier call.
 
