@@ -95,10 +95,13 @@ class CaseBench:
         the folded verify's launch; ``ring``: a `PendingRing` write round's; ``gluon``: as `Planner.plan` (None: the
         Gluon verify where the planner runs it; False: the Triton kernels, whose tiles the tuner sweeps)."""
         c = self.case
-        tree = self.tree()
         return PLANNER.plan(c.shape, c.dtype, num_requests=c.batch, max_tree_size=c.tree_size,
-                            depth=max(tree.depth, self.reference_instance()[0].depth), device=self.device,
+                            depth=self.depth(), device=self.device,
                             config=config, variant=variant, tuned_on=tuned_on, fold=fold, ring=ring, gluon=gluon)
+
+    def depth(self) -> int:
+        """The deepest tree of the timed batch and of the reference instance (what a launch must take)."""
+        return max(self.tree().depth, self.reference_instance()[0].depth)
 
     def ring_rounds(self) -> int:
         """The rounds of the ring this case's ring rows keep by default: `RING_ROUNDS`, or where its ring rounds
@@ -107,8 +110,7 @@ class CaseBench:
         there (`GPURunner.ring_rounds` times the tuner's ring writes the same way)."""
         if not self.launch(ring=True).gluon:
             return RING_ROUNDS
-        depth = max(self.tree().depth, self.reference_instance()[0].depth)
-        return gluon_ring_rounds(depth + 1, RING_ROUNDS) or RING_ROUNDS
+        return gluon_ring_rounds(self.depth() + 1, RING_ROUNDS) or RING_ROUNDS
 
     def _kwargs(self, verify, launch: Launch | None) -> dict:
         return {"launch": launch or self.launch()} if verify is tree_verify else {}
