@@ -20,23 +20,39 @@ from bole_tune.kernels import (PLANNER, LayerResults, PendingCommit, PendingPath
                                tree_commit_layers, tree_verify)
 from bole_tune.kernels.verify.tree_commit import commit_config
 from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
-from bole_tune.kernels.verify.result import RESULT_POOL, result_buffers
+from bole_tune.kernels.verify.result import RESULT_POOL, TreeVerifyResult, result_buffers
 from bole_tune.kernels.verify.run import run_launch
 from bole_tune.workloads import make_inputs, make_tree
+
+
+def timed(fn, calls=2000) -> float:
+    """Wall time per call of ``calls`` eager calls, the device drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / calls
 
 
 def per_call(fn, calls=2000) -> float:
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
+    return sorted(timed(fn, calls) for _ in range(5))[2]
+
+
+def interleaved(rows: dict, turns: int = 5, calls: int = 2000, warm: int = 200) -> dict:
+    """Each row's median over ``turns`` turns, every turn timing every row in order: the host's state drifts (the
+    machine's one torch.empty took 2.1 us in one session and 4.7 in another), so rows compared with each other are
+    timed side by side, and a slow spell lands on every row of a turn, not on the rows that happened to run in it."""
+    for fn in rows.values():  # warm-up: compiled, cached, and the host's clocks up
+        for _ in range(warm):
             fn()
-        torch.cuda.synchronize()
-        best.append((time.perf_counter() - start) * 1e6 / calls)
-    return sorted(best)[len(best) // 2]
+    times = {name: [] for name in rows}
+    for _ in range(turns):
+        for name, fn in rows.items():
+            times[name].append(timed(fn, calls))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def launch_parts(launch, a, shape, res) -> dict:
@@ -105,7 +121,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script under TRITON_INTERPRET=1
     tree = make_tree([args.tree_size] * args.batch, "chain", device=dev)
     x = make_inputs(tree, 16, 32, 128, 128, torch.bfloat16, dev, seed=1)
     a = x.args(tree)
@@ -133,6 +149,24 @@ def main() -> None:
     # the tuned all-layer launch with TMA loads (a tensor descriptor built and encoded per call)
     tma_config = dataclasses.replace(commit_config(shape.heads.hk, shape.heads.hv, shape.heads.dk, shape.heads.dv,
                                                    torch.bfloat16, tree.max_tree_size, args.batch, 24, torch.device(dev)), tma=1)
+    # an engine's round of 24 layers, one call a layer: each layer folds in its result of the round before (kept until
+    # then), into its own out= buffers (two sets a layer, alternating) or into the pool's (default)
+    own = [[TreeVerifyResult(*RESULT_POOL.fresh(shape, torch.bfloat16, x.q.device)[:6], tree) for _ in range(2)]
+           for _ in range(24)]  # the engine's own buffers, not the pool's
+    kept = [tree_verify(*a) for _ in range(24)]
+    turn = [0]
+
+    def round_out():
+        r = turn[0] = turn[0] + 1
+        for layer in range(24):
+            tree_verify(*a, out=own[layer][r % 2], pending=PendingCommit(paths, own[layer][(r + 1) % 2]))
+
+    def round_default():
+        for layer in range(24):
+            kept[layer] = tree_verify(*a, pending=PendingCommit(paths, kept[layer]))
+
+    rounds = {"engine round, folded, out= (per layer)": round_out,
+              "engine round, folded, default (per layer)": round_default}
     rows = {
         "tree_verify (default eager)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
@@ -158,10 +192,15 @@ def main() -> None:
     }
     rows.update(launch_parts(launch, a, shape, res2))
     print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16; launch {launch.variant} {launch.config}")
-    measured = {}
-    for name, fn in rows.items():
-        measured[name.strip()] = per_call(fn)
-        print(f"{name:40s} {measured[name.strip()]:8.1f} us/call")
+    main = [name for name in rows if not name.startswith(" ")]  # the calls themselves, timed side by side
+    measured = {name: t for name, t in interleaved({name: rows[name] for name in main}).items()}
+    measured.update({name: t / 24 for name, t in interleaved(rounds, calls=100).items()})
+    for name, fn in rows.items():  # their parts, each alone
+        if name not in main:
+            measured[name] = per_call(fn)
+    for name, t in measured.items():
+        print(f"{name:40s} {t:8.1f} us/call")
+    measured = {name.strip(): t for name, t in measured.items()}
     sets = {f"N={key[0]} B={key[1]}": len(entries) for key, entries in RESULT_POOL._sets.items()}
     print(f"recycled result sets after the loops: {sets} ({RESULT_POOL.bytes / 2 ** 20:.2f} MiB)")
     if args.json:

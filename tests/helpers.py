@@ -1,11 +1,12 @@
-"""Shared helpers of the tests: poisoned outputs and the reference comparison."""
+"""Shared helpers of the tests: poisoned outputs, the reference comparison, and the result pool's small case."""
 
+import pytest
 import torch
 
 from bole_tune.kernels import TreeVerifyResult
-from bole_tune.kernels.verify.result import VerifyShape, result_buffers
+from bole_tune.kernels.verify.result import VerifyShape, release_result_pool, result_buffers
 from bole_tune.shapes import HeadShape
-from bole_tune.workloads import relative_error
+from bole_tune.workloads import make_inputs, make_tree, relative_error
 
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -27,3 +28,17 @@ def assert_close(actual, expected, tolerance, what):
     error = relative_error(actual, expected)
     assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.0e}"
     return error
+
+
+def small_case(device, seed, sizes=(5, 9)):
+    """Random trees of at most depth 8 and fp32 inputs of one key head, two value heads, dk = dv = 32."""
+    tree = make_tree(list(sizes), "random", max_depth=8, seed=seed, device=device)
+    return tree, make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=seed)
+
+
+@pytest.fixture
+def empty_pool():
+    """The process's result pool emptied before and after a test (use it with ``pytestmark``)."""
+    release_result_pool()
+    yield
+    release_result_pool()

@@ -12,26 +12,16 @@ import torch
 
 from bole_tune.kernels import PendingCommit, PendingPaths, tree_commit, tree_verify
 from bole_tune.kernels.reference import verify_reference
-from bole_tune.kernels.verify.result import (RESULT_POOL, ResultPool, VerifyShape, pool_bytes_of_environment,
-                                             release_result_pool)
+from bole_tune.kernels.verify.result import (RESULT_POOL, ResultPool, VerifyShape, pool_bytes_of_environment)
 from bole_tune.shapes import HeadShape
-from bole_tune.workloads import make_inputs, make_tree
 from conftest import requires_gpu
-from helpers import TOLERANCE, assert_close
+from helpers import TOLERANCE, assert_close, empty_pool, small_case  # noqa: F401 (empty_pool: a fixture)
 
 F32 = torch.float32
 
 
-def case(device, seed, sizes=(5, 9)):
-    tree = make_tree(list(sizes), "random", max_depth=8, seed=seed, device=device)
-    return tree, make_inputs(tree, 1, 2, 32, 32, F32, device, seed=seed)
-
-
-@pytest.fixture(autouse=True)
-def empty_pool():
-    release_result_pool()
-    yield
-    release_result_pool()
+case = small_case
+pytestmark = pytest.mark.usefixtures("empty_pool")
 
 
 def pointers(res):
@@ -217,6 +207,23 @@ def test_a_new_shape_makes_the_pool_forget_the_least_recently_used():
     pool.take(heads_shape(n=6, b=4), F32, cpu)  # shape C: B is forgotten, A kept
     assert {key[:2] for key in pool._sets} == {(6, 2), (6, 4)}
     assert pool.bytes <= pool.max_bytes
-    assert pool.bytes == sum(pool._bytes_of.values())
+    assert pool.bytes == sum(sets.nbytes for sets in pool._sets.values())
     too_big = pool.take(heads_shape(n=4000), F32, cpu)  # larger than the whole pool: fresh, nothing forgotten
     assert too_big[0].shape[0] == 4000 and {key[:2] for key in pool._sets} == {(6, 2), (6, 4)}
+
+
+def test_a_free_set_among_many_held_is_found_before_a_new_one_is_made(device):
+    """An engine keeps each layer's result for a round (24 held sets); the one set freed, wherever it lies, is
+    recycled, and a loop that drops each result keeps reusing one set: the pool does not grow to its limit."""
+    tree, x = case(device, 4)
+    held = [tree_verify(*x.args(tree)) for _ in range(24)]
+    key = next(iter(RESULT_POOL._sets))
+    assert len(RESULT_POOL._sets[key]) == 24
+    for layer in (17, 3, 23, 0, 11):  # each layer's result replaced in turn, in no particular order
+        freed = pointers(held[layer])
+        held[layer] = None
+        held[layer] = tree_verify(*x.args(tree))
+        assert pointers(held[layer]) == freed, f"layer {layer}: the one free set was not recycled"
+    for _ in range(10):  # results dropped at once
+        tree_verify(*x.args(tree))
+    assert len(RESULT_POOL._sets[key]) == 25, "the pool made sets while one was free"

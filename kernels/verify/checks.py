@@ -13,7 +13,8 @@ from bole_tune.tree import TreeBatch
 from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, require_shape, require_tensor,
                       slot_checks, validation_enabled)
 from .pending import path_width
-from .result import PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape
+from .result import (RECORD_NBYTES, RECORD_POINTERS, PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape,
+                     checked_paths, checked_result, result_fits, result_stamp_of, stamp_paths, stamp_result)
 from .ring import RingRead, RingResults, RingRound
 
 
@@ -216,10 +217,29 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None, validate) -> None:
-    """Check `tree_verify`'s ``pending`` (the previous round's commit to fold in); raise naming the field (the
-    conditions as plain comparisons first, `_explain_pending` where one fails)."""
-    if not _pending_holds(pending, shape, device, out):
+def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None, validate) -> tuple:
+    """Check `tree_verify`'s ``pending`` (the previous round's commit to fold in); raise naming the field. Returns
+    the check records (`result.stamp_paths`, `result.stamp_result`) of its paths and its result: the fold's
+    addresses.
+
+    The paths serve every layer of a round and each result is the previous round's output of a verify, so each is
+    checked in full (plain comparisons, `_explain_pending` where one fails) the first time it comes and by its
+    record after that. ``out``, when given, has been checked by `result.result_buffers` (its record holds its
+    spans)."""
+    paths_stamp = result_stamp = None
+    if type(pending) is PendingCommit:
+        paths, prev = pending.paths, pending.result
+        if type(paths) is PendingPaths and type(prev) is TreeVerifyResult and type(paths.tree) is TreeBatch:
+            tree = paths.tree
+            paths_key = (shape.num_requests, device)
+            paths_stamp = checked_paths(paths, paths_key)
+            if paths_stamp is None and _paths_hold(paths, shape.num_requests, device):
+                paths_stamp = stamp_paths(paths, paths_key)
+            result_key = (shape.heads, tree.num_nodes, len(tree.sizes), device)
+            result_stamp = checked_result(prev, result_key)
+            if result_stamp is None and result_fits(prev, result_key, None):
+                result_stamp = stamp_result(prev, result_key)
+    if paths_stamp is None or result_stamp is None or (out is not None and _shares_factors(out, result_stamp)):
         _explain_pending(pending, shape, device, out)
     if validation_enabled(validate):
         paths = pending.paths
@@ -228,42 +248,33 @@ def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | N
                       "pending.paths.accepted: has an entry out of range (expected -1 or a local node index)"),
                      (((paths.request_map < -1) | (paths.request_map >= paths.tree.num_requests)).any(),
                       "pending.paths.request_map: has an entry out of range")])
+    return paths_stamp, result_stamp
 
 
-
-
-def _pending_holds(pending, shape: VerifyShape, device, out) -> bool:
-    if type(pending) is not PendingCommit:
-        return False
-    paths, prev = pending.paths, pending.result
-    if not (type(paths) is PendingPaths and type(prev) is TreeVerifyResult and type(paths.tree) is TreeBatch):
-        return False
+def _paths_hold(paths: PendingPaths, num_requests: int, device) -> bool:
     request_map, accepted, rows, tree = paths.request_map, paths.accepted, paths.path_rows, paths.tree
-    tensor, h, f32 = torch.Tensor, shape.heads, torch.float32
-    if not (isinstance(request_map, tensor) and isinstance(accepted, tensor) and isinstance(rows, tensor)
-            and isinstance(prev.u, tensor) and isinstance(prev.k, tensor) and isinstance(prev.log_decay, tensor)
-            and isinstance(prev.k_scale, tensor) and isinstance(prev.committed, tensor)):
-        return False
-    n_prev, width = tree.num_nodes, path_width(tree)
-    if not (request_map.shape == (shape.num_requests,) and accepted.shape == (len(tree.sizes),)
-            and rows.shape == (shape.num_requests, width) and rows.dtype == torch.int32 and rows.is_contiguous()
-            and prev.u.shape == (n_prev, h.hv, h.dv) and prev.k.shape == (n_prev, h.hk, h.dk)
-            and request_map.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES and request_map.stride(0) == 1
-            and prev.u.dtype == f32 and prev.log_decay.dtype == f32 and prev.k_scale.dtype == f32
-            and prev.committed.dtype == torch.int32
+    tensor = torch.Tensor
+    return (isinstance(request_map, tensor) and isinstance(accepted, tensor) and isinstance(rows, tensor)
+            and request_map.shape == (num_requests,) and accepted.shape == (len(tree.sizes),)
+            and rows.shape == (num_requests, path_width(tree)) and rows.dtype == torch.int32 and rows.is_contiguous()
+            and request_map.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES
+            and (request_map.stride(0) == 1 or num_requests < 2)
             and request_map.device == device and accepted.device == device and rows.device == device
-            and prev.u.device == device and prev.log_decay.device == device and prev.k.device == device
-            and prev.k_scale.device == device and prev.committed.device == device and tree.offsets.device == device):
-        return False
-    if out is None:
-        return True
+            and tree.offsets.device == device)
+
+
+def _shares_factors(out: TreeVerifyResult, prev_stamp: tuple) -> bool:
+    """Whether ``out``'s factors overlap the previous result's (``prev_stamp``, `result.stamp_result`): the verify
+    would overwrite what it folds in. ``out`` carries its record (`result.result_buffers` checked it)."""
     if type(out) is not TreeVerifyResult:
-        return False
-    for a, b in ((prev.u, out.u), (prev.log_decay, out.log_decay), (prev.k, out.k), (prev.k_scale, out.k_scale)):
-        a0, b0 = a.data_ptr(), b.data_ptr()
-        if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes:
-            return False
-    return True
+        return True
+    out_stamp = result_stamp_of(out)
+    if out_stamp is None:
+        return True
+    (_, a1, a2, a3, a4, _), (_, b1, b2, b3, b4, _) = prev_stamp[RECORD_POINTERS], out_stamp[RECORD_POINTERS]
+    (n1, n2, n3, n4), (m1, m2, m3, m4) = prev_stamp[RECORD_NBYTES], out_stamp[RECORD_NBYTES]  # u, log_decay, k, k_scale
+    return ((a1 < b1 + m1 and b1 < a1 + n1) or (a2 < b2 + m2 and b2 < a2 + n2) or (a3 < b3 + m3 and b3 < a3 + n3)
+            or (a4 < b4 + m4 and b4 < a4 + n4))
 
 
 def _explain_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | None) -> None:
@@ -305,9 +316,25 @@ def _explain_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult 
                     ("paths.tree", paths.tree.offsets)):
         if x.device != device:
             raise ValueError(f"pending.{name}: on device {x.device} but the inputs are on {device}")
+    n_prev, b_prev = paths.tree.num_nodes, paths.tree.num_requests
+    for name, size, what in (("o", (n_prev, h.hv, h.dv), "[N_prev, Hv, dv]"), ("log_decay", (n_prev, h.hv), "[N_prev, Hv]"),
+                             ("k_scale", (n_prev, h.hk), "[N_prev, Hk]"), ("committed", (b_prev,), "[B_prev]")):
+        require_shape(f"pending.result.{name}", getattr(prev, name), size, what)
+    if prev.k.dtype not in INPUT_DTYPES or prev.o.dtype != prev.k.dtype:
+        raise TypeError(f"pending.result.k: dtype {prev.k.dtype} (o: {prev.o.dtype}); expected one input dtype for "
+                        "both (the previous round's TreeVerifyResult)")
+    if prev.o.device != device:
+        raise ValueError(f"pending.result.o: on device {prev.o.device} but the inputs are on {device}")
+    for name in ("o", "u", "log_decay", "k", "k_scale", "committed"):
+        if not getattr(prev, name).is_contiguous():
+            raise ValueError(f"pending.result.{name}: must be contiguous (the previous round's TreeVerifyResult)")
+    if not isinstance(paths.request_map, torch.Tensor) or not isinstance(paths.accepted, torch.Tensor):
+        raise TypeError("pending.paths.request_map, pending.paths.accepted: expected tensors")
     if isinstance(out, TreeVerifyResult) and any(_overlap(getattr(prev, f), getattr(out, f)) for f in ("u", "log_decay", "k", "k_scale")):
         raise ValueError("out: shares memory with pending.result; the verification would overwrite the factors it "
                          "commits (alternate two result buffers between rounds)")
+    raise TypeError("pending: expected a PendingCommit(PendingPaths, TreeVerifyResult) of exactly those classes, "
+                    f"got {type(pending).__name__}({type(paths).__name__}, {type(prev).__name__})")
 
 
 def check_ring(ring, shape: VerifyShape, tree: TreeBatch, dtype, device, out, pending) -> None:

@@ -12,6 +12,7 @@ import torch
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
+from ..common import INPUT_DTYPES
 from .pending import pending_path_rows
 
 
@@ -93,6 +94,102 @@ class VerifyShape:
     scale: float
 
 
+_STAMP = "_checked"
+"""The attribute under which a `TreeVerifyResult` / `PendingPaths` keeps the record of its last full check."""
+
+# what a result's record (a tuple, `stamp_result`) holds past its key, six tensors and their six versions
+RECORD_POINTERS, RECORD_BITS, RECORD_NBYTES, RECORD_O_DTYPE, RECORD_K_DTYPE = 13, 14, 15, 16, 17
+# and a paths' record (`stamp_paths`) past its key, four objects and three versions
+PATHS_POINTERS, PATHS_BITS, PATHS_MAP_DTYPE = 8, 9, 10
+
+
+def stamp_result(res: TreeVerifyResult, key: tuple) -> tuple:
+    """Record that ``res``'s six buffers passed the full check for ``key`` (heads, nodes, requests, device), so the
+    next call that gets the same object checks the record instead (`checked_result`): about a quarter of the host
+    time of the comparisons.
+
+    The record holds the six tensors, their version counters, their addresses (OR-ed for the launch's alignment
+    key) and the byte spans of the four factors (the overlap check of ``out`` and ``pending``). It stays valid while
+    every field is the same tensor object at the same version: reassigning a field fails the identity test, and
+    every in-place change of a tensor's shape, strides or storage (``resize_``, ``set_``, ``as_strided_``,
+    ``t_`` ...) moves its version counter, as does any write through torch. The kernels' own writes (Triton) do not,
+    so a result reused across rounds keeps its record. One way around it is not seen: assigning a tensor's ``.data``
+    (PyTorch's escape hatch from its own tracking) moves no counter."""
+    stamp = _result_stamp(key, res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed)
+    res.__dict__[_STAMP] = stamp
+    return stamp
+
+
+def _result_stamp(key, o, u, log_decay, k, k_scale, committed) -> tuple:
+    pointers = (o.data_ptr(), u.data_ptr(), log_decay.data_ptr(), k.data_ptr(), k_scale.data_ptr(),
+                committed.data_ptr())
+    return (key, o, u, log_decay, k, k_scale, committed, o._version, u._version, log_decay._version, k._version,
+            k_scale._version, committed._version, pointers, pointers[0] | pointers[1] | pointers[2] | pointers[3]
+            | pointers[4] | pointers[5], (u.nbytes, log_decay.nbytes, k.nbytes, k_scale.nbytes), o.dtype, k.dtype)
+
+
+def checked_result(res: TreeVerifyResult, key: tuple) -> tuple | None:
+    """``res``'s record (`stamp_result`) where it was checked for ``key`` and nothing changed since, else None.
+    ``res`` must be a `TreeVerifyResult` (the caller has tested its type)."""
+    s = res.__dict__.get(_STAMP)
+    if (s is not None and s[0] == key and res.o is s[1] and res.u is s[2] and res.log_decay is s[3]
+            and res.k is s[4] and res.k_scale is s[5] and res.committed is s[6] and s[1]._version == s[7]
+            and s[2]._version == s[8] and s[3]._version == s[9] and s[4]._version == s[10]
+            and s[5]._version == s[11] and s[6]._version == s[12]):
+        return s
+    return None
+
+
+def result_fits(res: TreeVerifyResult, key: tuple, dtype: torch.dtype | None) -> bool:
+    """Whether ``res``'s six fields are contiguous tensors of a verification of ``key`` (heads, nodes, requests,
+    device): outputs and keys in ``dtype`` (None: any one input dtype for both), the factors float32, the marks
+    int32. Plain comparisons, no error: the callers explain a failure field by field."""
+    h, n, b, device = key
+    f32, hv, hk = torch.float32, h.hv, h.hk
+    o, u, log_decay, k, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
+    if dtype is None:
+        dtype = getattr(k, "dtype", None)
+        if dtype not in INPUT_DTYPES:
+            return False
+    return (isinstance(o, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(log_decay, torch.Tensor)
+            and isinstance(k, torch.Tensor) and isinstance(k_scale, torch.Tensor) and isinstance(committed, torch.Tensor)
+            and o.shape == (n, hv, h.dv) and u.shape == (n, hv, h.dv) and log_decay.shape == (n, hv)
+            and k.shape == (n, hk, h.dk) and k_scale.shape == (n, hk) and committed.shape == (b,)
+            and o.dtype == dtype and u.dtype == f32 and log_decay.dtype == f32 and k.dtype == dtype
+            and k_scale.dtype == f32 and committed.dtype == torch.int32
+            and o.device == device and u.device == device and log_decay.device == device and k.device == device
+            and k_scale.device == device and committed.device == device
+            and o.is_contiguous() and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous()
+            and k_scale.is_contiguous() and committed.is_contiguous())
+
+
+def result_stamp_of(res: TreeVerifyResult) -> tuple | None:
+    """``res``'s record as it was last made (`stamp_result`), without testing it: for a result just checked."""
+    return res.__dict__.get(_STAMP)
+
+
+def stamp_paths(paths: "PendingPaths", key: tuple) -> tuple:
+    """The same record for `PendingPaths` checked for ``key`` (requests of the verify, device): its tensors, their
+    versions and the addresses the fold reads (request map, path rows). One `PendingPaths` serves every layer of a
+    round, so its full check runs once a round."""
+    request_map, accepted, rows = paths.request_map, paths.accepted, paths.path_rows
+    pointers = (request_map.data_ptr(), rows.data_ptr())
+    stamp = (key, request_map, accepted, rows, paths.tree, request_map._version, accepted._version, rows._version,
+             pointers, pointers[0] | pointers[1], request_map.dtype)
+    paths.__dict__[_STAMP] = stamp
+    return stamp
+
+
+def checked_paths(paths: "PendingPaths", key: tuple) -> tuple | None:
+    """``paths``' record (`stamp_paths`) where it was checked for ``key`` and nothing changed since, else None."""
+    s = paths.__dict__.get(_STAMP)
+    if (s is not None and s[0] == key and paths.request_map is s[1] and paths.accepted is s[2]
+            and paths.path_rows is s[3] and paths.tree is s[4] and s[1]._version == s[5] and s[2]._version == s[6]
+            and s[3]._version == s[7]):
+        return s
+    return None
+
+
 _epochs = itertools.count(1)
 
 
@@ -112,6 +209,16 @@ def _buffer_layout(shape: VerifyShape, dtype: torch.dtype) -> tuple:
             ((n, h.hk), f32), ((shape.num_requests,), torch.int32))
 
 
+def _free(buffers: list, baseline: tuple) -> bool:
+    """Whether a set shows only the pool's own holds again (`_holds` equals ``baseline``): the first buffer's
+    references first, so a set a result still holds is passed over for about a tenth of the whole test."""
+    first = buffers[0]  # counted as `_holds` counts its own first name
+    if sys.getrefcount(first) != baseline[0]:
+        return False
+    del first
+    return _holds(buffers) == baseline
+
+
 def _holds(buffers: list) -> tuple:
     """What holds a recycled set: each tensor's Python references and its TensorImpl's owners, and how many
     tensors share the set's storage. Compared with the same figures taken when the set was made (only the pool
@@ -121,6 +228,18 @@ def _holds(buffers: list) -> tuple:
     return (refs(o), refs(u), refs(log_decay), refs(k), refs(k_scale), refs(committed),
             o._use_count(), u._use_count(), log_decay._use_count(), k._use_count(), k_scale._use_count(),
             committed._use_count(), torch._C._storage_Use_Count(o.untyped_storage()._cdata))
+
+
+class _Sets(list):
+    """One shape's sets (``[buffers, holds when made, check record]`` each), the set handed out last, the one after
+    it, when the shape last handed one out (the pool's call count) and the bytes of its sets: one dictionary access
+    a call."""
+
+    __slots__ = ("last", "turn", "used", "nbytes")
+
+    def __init__(self):
+        super().__init__()
+        self.last = self.turn = self.used = self.nbytes = 0
 
 
 class ResultPool:
@@ -147,14 +266,15 @@ class ResultPool:
         self.max_bytes = max_bytes
         self.max_sets = max_sets
         self.bytes = 0
-        self._sets: dict[tuple, list] = {}  # key -> [[buffers, holds when made], ...]
-        self._turn: dict[tuple, int] = {}  # key -> the set to try first (the one after the last handed out)
-        self._bytes_of: dict[tuple, int] = {}  # key -> bytes of its sets
-        self._used: dict[tuple, int] = {}  # key -> when it last handed out a set (a call count)
+        self._sets: dict[tuple, _Sets] = {}  # key -> [[buffers, holds when made, check record], ...]
         self._calls = 0
 
     def take(self, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
         """Six buffers for one call's result: a free set of the pool's, a new pooled set, or fresh tensors."""
+        return self.take_set(shape, dtype, device)[:6]
+
+    def take_set(self, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
+        """`take`'s six buffers and a seventh entry: a pooled set's check record (`stamp_result`), else None."""
         stream = 0
         if device.type == "cuda":
             if torch._C._cuda_isCurrentStreamCapturing():
@@ -166,25 +286,44 @@ class ResultPool:
         sets = self._sets.get(key)
         if sets is not None:
             count = len(sets)
-            first = self._turn[key]
-            for i in range(min(count, 4)):  # in an engine's steady state the first one tried is free
-                j = (first + i) % count
+            # the set handed out last first (free again in a loop that drops each result), then every set from the
+            # one after it (in an engine's steady state, keeping a round's results, the first of those is free): a
+            # set still held is passed over for about 0.1 us (`_free`), so all are looked at before a new one is made
+            j = sets.last
+            if j < count and sets[j][1] is not None and _free(sets[j][0], sets[j][1]):
+                return self._hand_out(sets, j, shape, dtype, device)
+            first = sets.turn
+            for i in range(first, first + count):
+                j = i % count
                 entry = sets[j]
-                if _holds(entry[0]) == entry[1]:
-                    self._turn[key] = (j + 1) % count
-                    self._calls += 1
-                    self._used[key] = self._calls
-                    return tuple(entry[0])  # a new tuple: what the caller keeps of it counts as a hold
+                if entry[1] is not None and _free(entry[0], entry[1]):
+                    return self._hand_out(sets, j, shape, dtype, device)
         return self.grow(key, shape, dtype, device)
+
+    def _hand_out(self, sets: "_Sets", j: int, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
+        """Set ``j`` of ``sets`` (found free), with its check record, as `take_set` returns it."""
+        sets.last, sets.turn = j, (j + 1) % len(sets)
+        self._calls += 1
+        sets.used = self._calls
+        entry = sets[j]
+        stamp = entry[2]
+        if entry[0][0]._version != stamp[7]:  # written through torch since (the six views share one version
+            # counter): checked again, as any result would be
+            stamp = entry[2] = _result_stamp(stamp[0], *entry[0]) if result_fits(
+                TreeVerifyResult(*entry[0], None), stamp[0], dtype) else None
+            if stamp is None:  # reshaped in place: never handed out again
+                entry[1] = None
+                return self.fresh(shape, dtype, device)
+        return (*entry[0], stamp)  # a new tuple: what the caller keeps of it counts as a hold
 
     def grow(self, key: tuple, shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
         layout = _buffer_layout(shape, dtype)
         sizes = [-(-torch.Size(size).numel() * dt.itemsize // _ALIGN) * _ALIGN for size, dt in layout]
-        sets, need = self._sets.get(key, []), sum(sizes)
-        if len(sets) >= self.max_sets or self._bytes_of.get(key, 0) + need > self.max_bytes:
+        sets, need = self._sets.get(key) or _Sets(), sum(sizes)
+        if len(sets) >= self.max_sets or sets.nbytes + need > self.max_bytes:
             return self.fresh(shape, dtype, device)
         while self.bytes + need > self.max_bytes:  # forget the shape least recently used (not this one)
-            self.forget(min((k for k in self._sets if k != key), key=self._used.__getitem__))
+            self.forget(min((k for k in self._sets if k != key), key=lambda k: self._sets[k].used))
         whole = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         buffers, start = [], 0
         for (size, dt), nbytes in zip(layout, sizes):
@@ -192,24 +331,27 @@ class ResultPool:
             buffers.append(whole[start:start + count * dt.itemsize].view(dt).view(size))
             start += nbytes
         del whole
-        sets.append([buffers, None])  # the pool keeps the list, the caller gets a tuple of its own
+        # the pool keeps the list and the set's check record (`stamp_result`: its buffers fit the shape by
+        # construction), the caller gets a tuple of its own
+        sets.append([buffers, None, _result_stamp((shape.heads, shape.num_nodes, shape.num_requests, device),
+                                                  *buffers)])
         sets[-1][1] = _holds(sets[-1][0])  # the pool's own holds: the baseline a free set shows again
         self._sets[key] = sets
-        self._turn[key] = 0  # the oldest set next: in an engine's steady state the first one freed
-        self._bytes_of[key] = self._bytes_of.get(key, 0) + need
+        sets.last, sets.turn = len(sets) - 1, 0  # the oldest set next: in an engine's steady state the first one freed
+        sets.nbytes += need
         self.bytes += need
         self._calls += 1
-        self._used[key] = self._calls
-        return tuple(buffers)
+        sets.used = self._calls
+        return (*buffers, sets[-1][2])
 
     def forget(self, key: tuple) -> None:
         """Stop recycling one shape's sets (their memory goes back to torch's allocator once no result holds it)."""
-        del self._sets[key], self._turn[key], self._used[key]
-        self.bytes -= self._bytes_of.pop(key)
+        self.bytes -= self._sets.pop(key).nbytes
 
     @staticmethod
     def fresh(shape: VerifyShape, dtype: torch.dtype, device: torch.device) -> tuple:
-        return tuple(torch.empty(size, dtype=dt, device=device) for size, dt in _buffer_layout(shape, dtype))
+        """Six new buffers outside the pool, and None where a pooled set has its check record."""
+        return (*(torch.empty(size, dtype=dt, device=device) for size, dt in _buffer_layout(shape, dtype)), None)
 
     def release(self) -> None:
         """Forget every set (their memory goes back to torch's allocator once the caller's results are gone)."""
@@ -247,22 +389,20 @@ def result_buffers(shape: VerifyShape, dtype: torch.dtype, device, tree: TreeBat
     if type(device) is not torch.device:
         device = torch.device(device)
     if out is None:  # the default call: a free set of the pool's, nothing else (a call's host time counts)
-        return TreeVerifyResult(*RESULT_POOL.take(shape, dtype, device), tree)
+        o, u, log_decay, k, k_scale, committed, stamp = RESULT_POOL.take_set(shape, dtype, device)
+        res = TreeVerifyResult(o, u, log_decay, k, k_scale, committed, tree)
+        if stamp is not None:
+            res.__dict__[_STAMP] = stamp
+        return res
     if type(out) is TreeVerifyResult:  # the same conditions as below as plain comparisons, the common case
-        f32, hv, hk = torch.float32, h.hv, h.hk
-        o, u, log_decay, k, k_scale, committed = out.o, out.u, out.log_decay, out.k, out.k_scale, out.committed
-        if (isinstance(o, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(log_decay, torch.Tensor)
-                and isinstance(k, torch.Tensor) and isinstance(k_scale, torch.Tensor)
-                and isinstance(committed, torch.Tensor)
-                and o.shape == (n, hv, h.dv) and u.shape == (n, hv, h.dv) and log_decay.shape == (n, hv)
-                and k.shape == (n, hk, h.dk) and k_scale.shape == (n, hk) and committed.shape == (shape.num_requests,)
-                and o.dtype == dtype and u.dtype == f32 and log_decay.dtype == f32 and k.dtype == dtype
-                and k_scale.dtype == f32 and committed.dtype == torch.int32
-                and o.device == device and u.device == device and log_decay.device == device and k.device == device
-                and k_scale.device == device and committed.device == device
-                and o.is_contiguous() and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous()
-                and k_scale.is_contiguous() and committed.is_contiguous()):
+        key = (h, n, shape.num_requests, device)
+        stamp = checked_result(out, key)
+        if stamp is not None and stamp[RECORD_O_DTYPE] == dtype and stamp[RECORD_K_DTYPE] == dtype:  # unchanged
             out.tree = tree
+            return out
+        if result_fits(out, key, dtype):
+            out.tree = tree
+            stamp_result(out, key)
             return out
     expected = {
         "o": ((n, h.hv, h.dv), dtype),

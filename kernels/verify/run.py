@@ -17,7 +17,8 @@ from .gluon import gluon_launch, gluon_takes
 from .planner import Launch
 from .resident import tree_verify_resident_kernel
 
-from .result import PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch
+from .result import (PATHS_BITS, PATHS_MAP_DTYPE, PATHS_POINTERS, RECORD_BITS, RECORD_K_DTYPE, RECORD_POINTERS,
+                     PendingCommit, TreeVerifyResult, VerifyShape, commit_epoch)
 from .ring import RingRead
 
 RESIDENT = FastLauncher(tree_verify_resident_kernel)
@@ -80,11 +81,13 @@ _NO_FOLD = (None,) * 7 + (0,)
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
                res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None,
-               ring: RingRead | None = None) -> TreeVerifyResult:
+               ring: RingRead | None = None, records: tuple | None = None) -> TreeVerifyResult:
     """Run ``launch`` on checked inputs, writing into ``res``. The two kernels take the same arguments
     but for the fused one's block-table width and the resident one's value split and switches; with
     ``pending``, both first commit the previous round's accepted paths into the slots they read; with ``ring``, they
     read the slots through a `PendingRing`'s pending tokens (a write round: fold them in and write the slots).
+    ``records``: the check records this call's checks made or confirmed (`result.stamp_result` of ``res``, and of
+    ``pending``'s paths and result, each None where there is none): their addresses stand for the tensors'.
 
     The launch is keyed (`FastLauncher.launch_keyed`) on what decides its binary beyond the checked shapes and
     dtypes: the launch, the input, gate and index dtypes, the strides, and whether every tensor is 16-byte aligned
@@ -100,7 +103,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     if launch.gluon and gluon_takes(launch, q, k, v, state, shape, ring, pending):
         gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring)
         return res
-    block_depth, max_blocks = tree.block_depths(launch.node_block)
+    block_depth, max_blocks, tree_addresses, tree_bits = tree_launch_table(tree, launch.node_block)
     resident = launch.variant != "fused"
     if resident:
         kernel, grid, blocks = RESIDENT, (h.hv * launch.v_split, shape.num_requests), ()
@@ -110,6 +113,21 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     o, u, log_decay, k_out, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
     tensors = (q, k, v, g, beta, state, state_indices, offsets, enter, leave, block_depth,
                o, u, log_decay, k_out, k_scale, committed)
+    res_record, paths_record, prev_record = records or (None, None, None)
+    # each tensor's device address: the inputs' taken now, the tree's kept with the tree, a checked result's from
+    # its record (`result.stamp_result`)
+    pointers = (_data_ptr(q), _data_ptr(k), _data_ptr(v), _data_ptr(g), _data_ptr(beta), _data_ptr(state),
+                _data_ptr(state_indices))
+    bits = (pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5] | pointers[6]
+            | tree_bits)
+    pointers += tree_addresses
+    if res_record is not None:
+        pointers += res_record[RECORD_POINTERS]
+        bits |= res_record[RECORD_BITS]
+    else:
+        more = tuple(map(_data_ptr, tensors[11:]))
+        pointers += more
+        bits |= reduce(or_, more)
     correct = False
     if ring is not None:  # the ring's tables and this layer's arena take the fold's arguments (`blocks.ring_tokens`)
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
@@ -118,17 +136,28 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
         fold_key = ("ring", correct, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
         tensors += fold[:7]
+        more = tuple(map(_data_ptr, fold[:7]))
+        pointers += more
+        bits |= reduce(or_, more)
     elif pending is None:  # the fold's pointers are never read: None keeps the launch short
         fold, fold_key, width, fold_dot = _NO_FOLD, None, 16, FOLD_DOT_PRECISION
     else:
         paths, prev = pending.paths, pending.result
         fold = (paths.request_map, paths.path_rows, prev.u, prev.log_decay, prev.k, prev.k_scale, prev.committed,
                 commit_epoch())
-        width, fold_dot = paths.path_rows.shape[1], FOLD_DOT_PRECISION
-        fold_key = (paths.request_map.dtype, prev.k.dtype, width, fold_dot)
         tensors += fold[:7]
-    pointers = tuple(map(_data_ptr, tensors))
-    bits = reduce(or_, pointers)
+        if paths_record is not None and prev_record is not None:
+            width = paths.path_rows.shape[1]
+            fold_key = (paths_record[PATHS_MAP_DTYPE], prev_record[RECORD_K_DTYPE])
+            pointers += (*paths_record[PATHS_POINTERS], *prev_record[RECORD_POINTERS][1:])  # all but the outputs'
+            bits |= paths_record[PATHS_BITS] | prev_record[RECORD_BITS]
+        else:
+            width, fold_key = paths.path_rows.shape[1], (paths.request_map.dtype, prev.k.dtype)
+            more = tuple(map(_data_ptr, fold[:7]))
+            pointers += more
+            bits |= reduce(or_, more)
+        fold_dot = FOLD_DOT_PRECISION
+        fold_key += (width, fold_dot)
     gs, bs, ss = g.stride(), beta.stride(), state.stride()
     sizes = (h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], gs[0], gs[1], bs[0], bs[1], ss[0], ss[1], ss[2])
     scalars = (shape.scale, *blocks, *sizes)
@@ -142,7 +171,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         state_hint = STATE_HINTS["verify" if pending is None and ring is None else "read" if correct else "fold"]
     else:
         state_hint = FUSED_STATE_HINTS["one_block" if max_blocks == 1 else "blocks"]
-    key = None if bits & 15 else (launch, h.dk, h.dv, q.dtype, q.device.type, g.dtype, beta.dtype,
+    key = None if bits & 15 else (launch_number(launch), h.dk, h.dv, q.dtype, q.is_cuda, g.dtype, beta.dtype,
                                   state_indices.dtype, use_qk_l2norm, fold_key, rows_first, state_hint, *sizes)
 
     def args() -> tuple:
@@ -166,6 +195,37 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
 
     kernel.launch_keyed(key, grid, fast_args, args, meta)
     return res
+
+
+_NUMBER_OF: dict[Launch, int] = {}  # each launch value seen, numbered in order (never renumbered)
+_NUMBER_BY_ID: dict[int, tuple] = {}  # id(launch) -> (launch, its number): the launch kept, so its id stays its own
+
+
+def launch_number(launch: Launch) -> int:
+    """A number for ``launch``'s value, the same for equal launches: in the launch's key it stands for the launch
+    without hashing its fields on every call (the planner hands out one object per plan)."""
+    kept = _NUMBER_BY_ID.get(id(launch))
+    if kept is not None:
+        return kept[1]
+    if len(_NUMBER_BY_ID) >= 4096:  # launches made afresh on every call (launch= built by the caller)
+        _NUMBER_BY_ID.clear()
+    number = _NUMBER_OF.setdefault(launch, len(_NUMBER_OF))
+    _NUMBER_BY_ID[id(launch)] = (launch, number)
+    return number
+
+
+def tree_launch_table(tree: TreeBatch, node_block: int) -> tuple:
+    """``(block_depth, max_blocks, addresses, bits)``: the tree's `TreeBatch.block_depths` for ``node_block``, the
+    device addresses of its offsets, depth-first intervals and that table, and their OR (the alignment key), kept
+    with the tree (its tensors are its own, made when it was built, and never replaced)."""
+    key = ("launch", node_block)
+    kept = tree._cache.get(key)
+    if kept is None:
+        block_depth, max_blocks = tree.block_depths(node_block)
+        addresses = (tree.offsets.data_ptr(), tree.dfs_enter.data_ptr(), tree.dfs_exit.data_ptr(),
+                     block_depth.data_ptr())
+        kept = tree._cache[key] = (block_depth, max_blocks, addresses, reduce(or_, addresses))
+    return kept
 
 
 def _last_contiguous(x):

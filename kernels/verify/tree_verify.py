@@ -17,7 +17,7 @@ from ..common import use_triton, validation_enabled
 from ..reference import commit_pending_closed_form, verify_closed_form
 from .checks import check_pending, check_ring, check_verify_inputs
 from .planner import Launch, Planner
-from .result import PendingCommit, TreeVerifyResult, result_buffers
+from .result import PendingCommit, TreeVerifyResult, result_buffers, result_stamp_of
 from .ring import RingRead, ring_states
 from .run import run_launch
 from .self_check import check_resident
@@ -46,8 +46,9 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
         scale: multiplies q (default ``dk ** -0.5``); use_qk_l2norm: L2-normalise q and k first.
         config: tile configuration; None takes the tuned one for this GPU and shape.
         validate: check values (NaN gates, slot indices); None follows ``BOLE_TUNE_VALIDATE``.
-        out: a `TreeVerifyResult` to write into (buffers reused across layers). None: a set of buffers recycled
-            from an earlier call that nothing holds any more, else fresh ones (`result.ResultPool`).
+        out: a `TreeVerifyResult` to write into (buffers reused across layers): checked in full the first time,
+            then by the record of that check while its tensors stay the same (`result.stamp_result`). None: a set of
+            buffers recycled from an earlier call that nothing holds any more, else fresh ones (`result.ResultPool`).
         variant: "fused" (any tree size), "resident" (trees of at most 64 nodes, one program per head),
             "stream" (the resident kernel, one value tile of ``b_v`` rows per program, its state read first) or None: with ``config=None`` the kernel the database's config was tuned on, else the
             planner's choice by batch and tree size. Both give the same results.
@@ -71,11 +72,14 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     """
     validate = validation_enabled(validate)  # resolved once (the environment is read once per call)
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
+    res = stamps = None
     if ring is not None:
         check_ring(ring, shape, tree, q.dtype, q.device, out, pending)
         out = ring.results.at(ring.step.position, tree)
     elif pending is not None:
-        check_pending(pending, shape, q.device, out, validate)
+        if out is not None:  # checked first: the pending check compares the two results' spans from its record
+            res = out = result_buffers(shape, q.dtype, q.device, tree, out)
+        stamps = check_pending(pending, shape, q.device, out, validate)
     use_qk_l2norm = bool(use_qk_l2norm)
     if launch is None:
         launch = PLANNER.plan(shape.heads, q.dtype, num_requests=shape.num_requests,
@@ -99,5 +103,9 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
                 state, state_indices = read, torch.arange(len(state_indices), device=state.device)
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,
                                   validate=False, out=out)
-    res = result_buffers(shape, q.dtype, q.device, tree, out)
-    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, use_qk_l2norm, pending, ring)
+    if res is None:
+        res = result_buffers(shape, q.dtype, q.device, tree, out)
+    # the records this call's checks made or confirmed (a result's, the pending paths' and result's): their addresses
+    records = (result_stamp_of(res), *(stamps or (None, None)))
+    return run_launch(launch, q, k, v, g, beta, state, state_indices, tree, shape, res, use_qk_l2norm, pending, ring,
+                      records)

@@ -1,0 +1,134 @@
+"""The check records of results and pending paths (`result.stamp_result`, `result.stamp_paths`): a buffer checked
+once is checked by its record on later calls, and any change that could make it unfit (a field replaced, a tensor
+reshaped, restrided or resized in place) sends it through the full checks again, which name what is wrong.
+
+CPU cases run the kernels under TRITON_INTERPRET=1 (tiny shapes), as the rest of the suite."""
+
+import pytest
+import torch
+
+from bole_tune.kernels import PendingCommit, PendingPaths, tree_verify
+from bole_tune.kernels.reference import verify_reference
+from bole_tune.kernels.verify.result import (RESULT_POOL, TreeVerifyResult, checked_paths, checked_result,
+                                             result_stamp_of)
+from helpers import TOLERANCE, assert_close, empty_pool, small_case  # noqa: F401 (empty_pool: a fixture)
+
+F32 = torch.float32
+
+
+def case(device, seed=0):
+    return small_case(device, seed)
+
+
+pytestmark = pytest.mark.usefixtures("empty_pool")
+
+
+def own_buffers(tree, x):
+    """A result of the caller's own tensors (not the pool's), as an engine's ``out``."""
+    n, b = tree.num_nodes, tree.num_requests
+    dev = x.q.device
+    return TreeVerifyResult(torch.empty(n, 2, 32, device=dev), torch.empty(n, 2, 32, device=dev),
+                            torch.empty(n, 2, device=dev), torch.empty(n, 1, 32, device=dev), torch.empty(n, 1, device=dev),
+                            torch.zeros(b, dtype=torch.int32, device=dev), None)
+
+
+def key_of(tree, x):
+    from bole_tune.kernels.verify.checks import check_verify_inputs
+
+    shape = check_verify_inputs(*x.args(tree), None, None)
+    return (shape.heads, tree.num_nodes, tree.num_requests, x.q.device)
+
+
+def test_a_checked_out_keeps_its_record_and_its_answers(device):
+    tree, x = case(device)
+    out = own_buffers(tree, x)
+    assert result_stamp_of(out) is None
+    tree_verify(*x.args(tree), out=out)
+    record = checked_result(out, key_of(tree, x))
+    assert record is not None, "a checked out= buffer has no record"
+    for _ in range(2):  # the record serves the next calls: same object, and the answers still right
+        x.q.normal_()
+        tree_verify(*x.args(tree), out=out)
+        assert result_stamp_of(out) is record, "the record was made again although nothing changed"
+        assert_close(out.o.float(), verify_reference(*x.args(tree)).o, TOLERANCE[F32], "o through a recorded out")
+
+
+@pytest.mark.parametrize("change", ["resize_", "as_strided_", "field", "t_"])
+def test_an_out_changed_after_its_check_is_refused(device, change):
+    tree, x = case(device)
+    out = own_buffers(tree, x)
+    tree_verify(*x.args(tree), out=out)
+    n = tree.num_nodes
+    if change == "resize_":  # larger: a new allocation, the old address gone
+        out.u.resize_(n + 3, 2, 32)
+    elif change == "as_strided_":  # the same shape, no longer contiguous
+        out.u.as_strided_((n, 2, 32), (1, n, 2 * n))
+    elif change == "field":
+        out.u = torch.empty(n - 1, 2, 32, device=x.q.device)
+    else:  # the keys' copy transposed in place (a view op that moves the version counter)
+        out.k.squeeze_(1).t_()
+    with pytest.raises(ValueError, match=r"out\.(u|k)"):
+        tree_verify(*x.args(tree), out=out)
+
+
+def test_a_pending_result_changed_after_its_check_is_refused(device):
+    tree, x = case(device)
+    res = tree_verify(*x.args(tree))
+    accepted = torch.tensor([2, 0], dtype=torch.int32, device=x.q.device)
+    paths = PendingPaths(tree, accepted, torch.arange(2, dtype=torch.int32, device=x.q.device))
+    out = own_buffers(tree, x)
+    tree_verify(*x.args(tree), out=out, pending=PendingCommit(paths, res))
+    assert checked_result(res, key_of(tree, x)) is not None, "the pending result was not recorded"
+    assert checked_paths(paths, (tree.num_requests, x.q.device)) is not None, "the paths were not recorded"
+    res.log_decay.resize_(tree.num_nodes + 1, 2)
+    with pytest.raises(ValueError, match=r"pending\.result\.log_decay"):
+        tree_verify(*x.args(tree), out=out, pending=PendingCommit(paths, res))
+
+
+def test_pending_paths_changed_after_their_check_are_refused(device):
+    tree, x = case(device)
+    res = tree_verify(*x.args(tree))
+    paths = PendingPaths(tree, torch.tensor([2, 0], dtype=torch.int32, device=x.q.device),
+                         torch.arange(2, dtype=torch.int32, device=x.q.device))
+    tree_verify(*x.args(tree), pending=PendingCommit(paths, res))
+    paths.path_rows.resize_(2, 8)  # narrower than the tree's paths: the verify would read past each row
+    with pytest.raises(ValueError, match=r"pending\.paths\.path_rows"):
+        tree_verify(*x.args(tree), pending=PendingCommit(paths, tree_verify(*x.args(tree))))
+
+
+def test_a_pending_result_must_be_whole_and_contiguous(device):
+    """Fields the fold reads by row (log_decay, k_scale, committed) are checked like ``out``'s: a strided one is
+    refused by name."""
+    tree, x = case(device)
+    res = tree_verify(*x.args(tree))
+    n = tree.num_nodes
+    res.k_scale = torch.empty(n, 2, device=x.q.device)[:, :1]  # the right shape, every other element
+    paths = PendingPaths(tree, torch.tensor([1, 1], dtype=torch.int32, device=x.q.device),
+                         torch.arange(2, dtype=torch.int32, device=x.q.device))
+    with pytest.raises(ValueError, match=r"pending\.result\.k_scale"):
+        tree_verify(*x.args(tree), pending=PendingCommit(paths, res))
+
+
+def test_a_recycled_set_written_through_torch_is_checked_again_and_used(device):
+    tree, x = case(device)
+    first = tree_verify(*x.args(tree))
+    used, version = first.o.data_ptr(), first.o._version
+    first.o.zero_()  # the caller writes into its output (the six views share one version counter)
+    assert first.u._version > version
+    del first
+    again = tree_verify(*x.args(tree))
+    assert again.o.data_ptr() == used, "a set written through torch was not recycled"
+    assert checked_result(again, key_of(tree, x)) is not None, "the recycled set's record is out of date"
+    assert_close(again.o.float(), verify_reference(*x.args(tree)).o, TOLERANCE[F32], "o of the recycled set")
+
+
+def test_a_recycled_set_reshaped_in_place_is_never_handed_out_again(device):
+    tree, x = case(device)
+    first = tree_verify(*x.args(tree))
+    used = first.u.data_ptr()
+    first.u.squeeze_().unsqueeze_(0)  # the same memory, another shape
+    del first
+    for _ in range(3):
+        res = tree_verify(*x.args(tree))
+        assert res.u.shape == (tree.num_nodes, 2, 32) and res.u.data_ptr() != used
+    assert sum(entry[1] is None for sets in RESULT_POOL._sets.values() for entry in sets) == 1
