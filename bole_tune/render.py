@@ -143,7 +143,7 @@ def curve_summaries(data: dict) -> list[str]:
 
 GDN_ROUND_LABELS = {"verify + commit": "commit", "verify + all-layer commit": "all layers", "folded": "folded",
                     "ring": "ring", f"ring of {SHORT_RING_ROUNDS}": f"ring of {SHORT_RING_ROUNDS}"}
-"""Short names of `bole_tune.step_latency.GDN_ROUNDS` for the step table."""
+"""Short names of `bole_tune.step_latency.GDN_ROUNDS` for the step table (a Gluon ring, ``ring of 3``, by its name)."""
 
 STEP_FIELDS = ("gdn_us", "gdn_serial_us", "attention_us", "lm_head_us", "step_us", "step_serial_us")
 
@@ -158,7 +158,7 @@ def step(result) -> Table:
             d = point.as_dict()
             cells = [f"{d[k]:.0f}" if k in d else "-" for k in STEP_FIELDS]
             t.add_row(model, str(point.batch), str(point.tree_size), str(point.tokens), cells[0],
-                      GDN_ROUND_LABELS.get(d.get("gdn_round"), "-"), *cells[1:])
+                      GDN_ROUND_LABELS.get(d.get("gdn_round"), d.get("gdn_round", "-")), *cells[1:])
     return t
 
 

@@ -42,8 +42,9 @@ from bole_tune import database
 from bole_tune.fingerprint import fingerprint
 from bole_tune.gdn_layer import GDNLayerParams, gdn_tree_commit, gdn_tree_step
 from bole_tune.config import RING_ROUNDS, SHORT_RING_ROUNDS
-from bole_tune.kernels import (LayerResults, PendingCommit, PendingPaths, PendingRing, gdn_gates, serial_verify,
-                               tree_commit_layers, tree_conv, tree_conv_commit, tree_verify)
+from bole_tune.kernels import (PLANNER, LayerResults, PendingCommit, PendingPaths, PendingRing, gdn_gates,
+                               serial_verify, tree_commit_layers, tree_conv, tree_conv_commit, tree_verify)
+from bole_tune.kernels.verify.gluon import gluon_ring_rounds
 from bole_tune.profiler import FLUSH_SECONDS, provenance
 from bole_tune.profiles import DEFAULT_MODELS, ModelProfile, resolve_model
 from bole_tune.timing import time_launches
@@ -67,7 +68,9 @@ model's GDN layers divided by their number; ``folded`` the layer whose `tree_ver
 path first (``pending``), then its conv commit; ``ring`` the layer reading its state through a `PendingRing` of
 `RING_ROUNDS` rounds of pending paths (``ring``), then its conv commit, over a cycle: ``((R - 1) read rounds + one
 write round) / R`` plus the ring's table update (once per round for every layer) divided by the layers; ``ring of 2``
-the same with a ring of `SHORT_RING_ROUNDS` rounds (``PendingRing(..., rounds=2, ...)``)."""
+the same with a ring of `SHORT_RING_ROUNDS` rounds (``PendingRing(..., rounds=2, ...)``). Where a point's ring rounds
+run on the Gluon verify and its tables take fewer than `RING_ROUNDS` rounds of its paths (9-node paths: three), that
+ring is timed too, as ``ring of 3`` (`StepModel.ring_ways`): the ring an engine and `bole-tune bench` keep there."""
 
 
 @dataclass(frozen=True)
@@ -265,9 +268,28 @@ class StepModel:
         with _AllLayerCommit(self, layers) as commit:
             ways["verify + all-layer commit"] = time(lambda: self.gdn_layer("bole", "conv")) + time(commit, layers)
         ways["folded"] = time(self.gdn_folded_rounds, 2)
-        ways["ring"] = self.gdn_ring_round_us(time, layers)
-        ways[f"ring of {SHORT_RING_ROUNDS}"] = self.gdn_ring_round_us(time, layers, SHORT_RING_ROUNDS)
+        for name, rounds in self.ring_ways().items():
+            ways[name] = self.gdn_ring_round_us(time, layers, rounds)
         return ways
+
+    def ring_ways(self) -> dict[str, int]:
+        """The rings the layer's round is timed with, name -> rounds: ``ring`` (`RING_ROUNDS`), ``ring of 2``
+        (`SHORT_RING_ROUNDS`), and where the planner runs this point's ring rounds on the Gluon verify and that
+        kernel's tables take fewer than `RING_ROUNDS` rounds of its paths (`gluon.gluon_ring_rounds`: three for the
+        9-node paths of trees of depth 8, whose ring of four only the slower Triton kernel runs), that ring too, as
+        ``ring of 3``: the ring an engine keeps there, and the one `bole-tune bench` times (`CaseBench.ring_rounds`)."""
+        ways = {"ring": RING_ROUNDS, f"ring of {SHORT_RING_ROUNDS}": SHORT_RING_ROUNDS}
+        rounds = gluon_ring_rounds(self.tree.depth + 1, RING_ROUNDS)
+        if 0 < rounds < RING_ROUNDS and rounds not in ways.values() and self.ring_on_gluon():
+            ways[f"ring of {rounds}"] = rounds
+        return ways
+
+    def ring_on_gluon(self) -> bool:
+        """Whether the planner runs this point's ring rounds on the Gluon verify (an sm_90 GPU, the bucket's
+        launch resident on 64-row trees; `Planner.plan` with ``ring=True``)."""
+        tree = self.tree
+        return PLANNER.plan(self.heads, torch.bfloat16, num_requests=tree.num_requests,
+                            max_tree_size=tree.max_tree_size, depth=tree.depth, device=self.device, ring=True).gluon
 
     def gdn_ring_round_us(self, time, layers: int, rounds: int = RING_ROUNDS) -> float:
         """The layer's round with a `PendingRing` of ``rounds`` rounds, each request accepting its deepest node: a

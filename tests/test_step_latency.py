@@ -55,14 +55,34 @@ def test_folded_rounds_commit_what_separate_commits_do(tiny, device):
     assert not torch.allclose(folded_state, state0), "the folded rounds committed nothing"
 
 
-def test_step_points_take_the_cheapest_round(tiny, device):
+def test_step_points_take_the_cheapest_round(tiny, device, monkeypatch):
+    """Every way is timed, the Gluon ring of three where `StepModel.ring_ways` names it (here made to), and the
+    cheapest counts."""
+    ways = StepModel.ring_ways
+    monkeypatch.setattr(StepModel, "ring_ways", lambda self: {**ways(self), "ring of 3": 3})
     (point,) = measure_step_curve(tiny, [2], [4], context=16, device=device, repeats=3, serial=False)
-    assert set(point.gdn_rounds_us) == set(GDN_ROUNDS)
+    timed = {*GDN_ROUNDS, "ring of 3"}
+    assert set(point.gdn_rounds_us) == timed
     assert all(v > 0 for v in point.gdn_rounds_us.values())
-    assert point.gdn_round in GDN_ROUNDS and point.gdn_us == min(point.gdn_rounds_us.values())
+    assert point.gdn_round in timed and point.gdn_us == min(point.gdn_rounds_us.values())
     d = point.as_dict()
-    assert d["gdn_round"] == point.gdn_round and set(d["gdn_rounds_us"]) == set(GDN_ROUNDS)
+    assert d["gdn_round"] == point.gdn_round and set(d["gdn_rounds_us"]) == timed
     assert set(GDN_ROUND_LABELS) == set(GDN_ROUNDS)  # the step table names each way
+
+
+def test_the_gluon_ring_is_timed_where_its_tables_take_fewer_rounds(tiny, device, monkeypatch):
+    """A ring of three joins the rings of four and two only where the point's ring rounds run on the Gluon verify
+    and its 9-node paths (trees of depth 8) make a ring of four too wide for it; 8-node paths take four."""
+    deep = step_model(tiny, device, batch=1, size=32)
+    shallow = step_model(tiny, device, batch=2, size=24)
+    assert (deep.tree.depth, shallow.tree.depth) == (8, 7)
+    if torch.device(device).type == "cpu":  # the planner's own answer: no Gluon verify on a CPU
+        assert not deep.ring_on_gluon() and deep.ring_ways() == {"ring": 4, "ring of 2": 2}
+    monkeypatch.setattr(StepModel, "ring_on_gluon", lambda self: True)
+    assert deep.ring_ways() == {"ring": 4, "ring of 2": 2, "ring of 3": 3}
+    assert shallow.ring_ways() == {"ring": 4, "ring of 2": 2}
+    monkeypatch.setattr(StepModel, "ring_on_gluon", lambda self: False)
+    assert deep.ring_ways() == {"ring": 4, "ring of 2": 2}
 
 
 def fresh_copy(res: TreeVerifyResult) -> TreeVerifyResult:
