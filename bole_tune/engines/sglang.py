@@ -38,6 +38,7 @@ once per round at the round's first GDN layer, so a round can be captured in a C
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -534,7 +535,8 @@ def bench_layers(batch: int, draft_tokens: int, heads: HeadShape, budget_bytes: 
 
 
 def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | None = None, packages=None,
-              acceptance: str = "qwen3.5-mtp-mbpp", repeats: int = 50, device="cuda", progress=None) -> list[dict]:
+              acceptance: str = "qwen3.5-mtp-mbpp", repeats: int = 50, device="cuda", progress=None,
+              eager_turns: int = 3) -> list[dict]:
     """Per GDN layer and round (verify plus commit), SGLang 0.5.23's serial kernel with its snapshot buffer and
     its all-layer snapshot scatter against the adapter as SGLang would call it (`SGLangTreeVerifyKernel`:
     ``target_verify`` per layer, gates, the tree converted once per round, `tree_verify` with the tuning
@@ -547,10 +549,15 @@ def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | No
     its tree. Returns one row per (batch, shape) with p20/p50/p80 microseconds of both, the tree conversion
     (`sglang_tree`, once per round for all layers) and the transient bytes per request and layer (SGLang: its
     fp32 snapshot of every node; the adapter: its factors).
+
+    ``eager_turns`` > 0 (on a GPU): the same rounds also issued eagerly from Python, as an engine without CUDA graphs
+    runs them (``sglang_eager_us``, ``adapter_eager_us``: wall time per layer and round over the input sets, device
+    drained at the end; `bole_tune.timing.time_eager_host`), the two alternating over that many turns and the
+    median of each kept: the host's speed drifts between spells, and a spell lands on both.
     """
     from bole_tune.acceptance import load_acceptance
     from bole_tune.draft_trees import SGLangBeam
-    from bole_tune.timing import l2_cache_bytes, rotation_count, time_launches
+    from bole_tune.timing import l2_cache_bytes, rotation_count, time_eager_host, time_launches
 
     fused, scatter = import_sglang_kernels(packages)
     h = heads or HeadShape(hk=16, hv=32, dk=128, dv=128)
@@ -616,6 +623,14 @@ def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | No
             sglang_t = time_launches(sglang_round, sets, device, repeats=repeats)
             adapter_t = time_launches(adapter_round, sets, device, repeats=repeats)
             convert_t = time_launches(lambda i: sglang_tree(parents, max_depth=steps), 1, device, repeats=repeats)
+            eager = {}
+            if eager_turns > 0 and torch.device(device).type == "cuda":
+                turns = {"sglang": [], "adapter": []}
+                for _ in range(eager_turns):
+                    turns["sglang"].append(time_eager_host(sglang_round, sets, device, repeats=10) / layers)
+                    turns["adapter"].append(time_eager_host(adapter_round, sets, device, repeats=10) / layers)
+                eager = {f"{name}_eager_us": round(statistics.median(values), 2) for name, values in turns.items()}
+                eager["eager_speedup"] = eager["sglang_eager_us"] / eager["adapter_eager_us"]
             adapter_bytes = SGLangTreeVerifyKernel.transient_bytes_per_request_layer(t, h, dtype)
             per_layer = {name: v / layers if name.endswith("_us") else v for name, v in sglang_t.as_dict().items()}
             ours = {name: v / layers if name.endswith("_us") else v for name, v in adapter_t.as_dict().items()}
@@ -624,7 +639,7 @@ def benchmark(batches=(1, 4, 16, 32), shapes=BENCH_SHAPES, heads: HeadShape | No
                 "layers_per_round": layers, "sglang_us": per_layer, "adapter_us": ours,
                 "speedup_p50": sglang_t.p50_us / adapter_t.p50_us, "tree_conversion_us_per_round": convert_t.p50_us,
                 "sglang_bytes_per_request_layer": t * h.hv * h.dv * h.dk * 4,
-                "adapter_bytes_per_request_layer": adapter_bytes, "input_sets": sets,
+                "adapter_bytes_per_request_layer": adapter_bytes, "input_sets": sets, **eager,
             })
             del inputs, kernels, snapshots
             if progress:
@@ -649,7 +664,9 @@ def _main(argv=None) -> None:
               f"x{r['speedup_p50']:5.1f}  tree {r['tree_conversion_us_per_round']:5.1f} us/round  "
               f"bytes/req/layer {r['sglang_bytes_per_request_layer'] / 2**20:6.2f} MiB vs "
               f"{r['adapter_bytes_per_request_layer'] / 2**10:6.1f} KiB  ({r['layers_per_round']} layers/round, "
-              f"{r['sglang_us']['method']})", flush=True)
+              f"{r['sglang_us']['method']})"
+              + (f"; eager (wall time per layer and round): SGLang {r['sglang_eager_us']:.1f} us, adapter "
+                 f"{r['adapter_eager_us']:.1f} us" if "sglang_eager_us" in r else ""), flush=True)
 
     rows = benchmark(batches=tuple(int(x) for x in args.batches.split(",")), repeats=args.repeats, progress=show)
     text = json.dumps(rows, indent=1)
