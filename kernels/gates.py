@@ -67,13 +67,42 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
         a = a.contiguous()
     if b.stride(-1) != 1:
         b = b.contiguous()
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
     n = a.shape[0]
     g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
-    block_h = triton.next_power_of_2(heads)
-    block_n = max(1, min(64, 4096 // block_h))
-    gdn_gates_kernel[(triton.cdiv(n, block_n),)](
-        a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, n, heads, a.stride(0), b.stride(0),
-        BLOCK_N=block_n, BLOCK_H=block_h,
-    )
+    block_h, block_n = _blocks(heads)
+    tensors = (a, b, a_log, dt_bias, g, beta)
+    pointers = tuple(x.data_ptr() for x in tensors)
+    sizes = (n, heads, a.stride(0), b.stride(0))
+    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, every integer argument (Triton
+    # specialises on them) and the blocks they set; a misaligned tensor takes Triton's own specialisation
+    aligned = not (pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]) & 15
+    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, *sizes) if aligned else None
+    _launcher().launch_keyed(key, (triton.cdiv(n, block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
+                             lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
     return g, beta
+
+
+_BLOCKS: dict = {}
+_LAUNCHERS: list = []
+
+
+def _blocks(heads: int) -> tuple[int, int]:
+    """``(BLOCK_H, BLOCK_N)``: the heads rounded up to a power of two, and rows a program so that a program holds
+    about 4096 gates (at most 64 rows)."""
+    blocks = _BLOCKS.get(heads)
+    if blocks is None:
+        block_h = triton.next_power_of_2(heads)
+        blocks = _BLOCKS[heads] = (block_h, max(1, min(64, 4096 // block_h)))
+    return blocks
+
+
+def _launcher():
+    """The gates kernel's `FastLauncher` (made on first use): an eager call skips Triton's binder, which costs more
+    host time than the rest of the call (BENCHMARKS.md, "The host path")."""
+    if not _LAUNCHERS:
+        from .launcher import FastLauncher
+
+        _LAUNCHERS.append(FastLauncher(gdn_gates_kernel))
+    return _LAUNCHERS[0]

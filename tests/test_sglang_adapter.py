@@ -243,6 +243,29 @@ def test_rounds_share_one_conversion_and_buffers(device):
     assert kernel._storage is storage
 
 
+def test_rounds_keep_each_layers_result_and_stay_exact(device):
+    """Rounds of one size hand `tree_verify` the same result object per layer (checked by the record of its last
+    check, not in full), and two rounds through one kernel give what two fresh kernels give."""
+    from bole_tune.kernels.verify.result import result_stamp_of
+
+    rng = random.Random(9)
+    case = make_case([random_tree(8, rng) for _ in range(2)], 1, 2, 16, torch.bfloat16, 12)
+    kernel = SGLangTreeVerifyKernel()
+    pool = case["pool"].to(device).clone()
+    outs, kept = [], []
+    for _ in range(2):
+        o, pool = adapter_round(case, device, kernel=kernel, pools=[pool])
+        rnd = kernel._current
+        kept.append(kernel._layer_out(rnd.results, 0, rnd.tree))
+        outs.append(o.clone())
+    assert kept[0] is kept[1] and result_stamp_of(kept[1]) is not None
+    fresh = case["pool"].to(device).clone()
+    for i in range(2):
+        o, fresh = adapter_round(case, device, kernel=SGLangTreeVerifyKernel(), pools=[fresh])
+        assert torch.equal(o, outs[i]), f"round {i}'s outputs"
+    assert torch.equal(pool, fresh)
+
+
 def test_refuses_ragged_and_bf16_pool(device):
     case = make_case([[-1, 0], [-1, 0]], 1, 1, 16, torch.bfloat16, 12)
     x = {n: t.to(device) for n, t in case.items()}

@@ -131,6 +131,7 @@ class SGLangTreeVerifyKernel:
         self._rounds: dict[tuple, _Round] = {}
         self._current: _Round | None = None
         self._layer_ids: dict = {}
+        self._views: dict = {}  # (layers, nodes, requests) -> (storage, its LayerResults views, each layer's result)
 
     # the layer of a call
     def _layer_of(self, ssm_states: torch.Tensor, kwargs) -> int:
@@ -169,8 +170,27 @@ class SGLangTreeVerifyKernel:
                     old = getattr(s, name)
                     getattr(grown, name)[:old.shape[0], :old.shape[1]].copy_(old)
             s = self._storage = grown
-        return LayerResults(o=s.o[:layers, :n], u=s.u[:layers, :n], log_decay=s.log_decay[:layers, :n],
-                            k=s.k[:layers, :n], k_scale=s.k_scale[:layers, :n], committed=s.committed[:layers, :b])
+        key = (layers, n, b)
+        views = self._views.get(key)
+        if views is None or views[0] is not s:
+            if len(self._views) >= 64:  # rounds of ever-new sizes keep a bounded table
+                self._views.clear()
+            results = LayerResults(o=s.o[:layers, :n], u=s.u[:layers, :n], log_decay=s.log_decay[:layers, :n],
+                                   k=s.k[:layers, :n], k_scale=s.k_scale[:layers, :n], committed=s.committed[:layers, :b])
+            views = self._views[key] = (s, results, {})
+        return views[1]
+
+    def _layer_out(self, results: LayerResults, layer: int, tree: TreeBatch):
+        """Layer ``layer``'s `TreeVerifyResult` of ``results`` for ``out=``: one object per layer, kept while the round
+        size and the storage stay, so `tree_verify` checks it by the record of its last check instead of in full
+        (`result.stamp_result`); new views only for results made elsewhere."""
+        views = self._views.get((results.num_layers, tree.num_nodes, tree.num_requests))
+        if views is None or views[1] is not results:
+            return results.layer(layer, tree)
+        out = views[2].get(layer)
+        if out is None:
+            out = views[2][layer] = results.layer(layer, tree)
+        return out
 
     def reserve(self, num_requests: int, tree_size: int, heads: HeadShape, dtype, device, num_layers=None):
         """Allocate the factor storage up front (before CUDA-graph capture) for rounds up to this size."""
@@ -225,7 +245,7 @@ class SGLangTreeVerifyKernel:
             rnd.results = self._buffers(layer + 1, rnd.tree, heads, q.dtype, q.device)
         g, beta = gdn_gates(a.reshape(n, hv), b.reshape(n, hv), A_log, dt_bias, validate=False)
         res = tree_verify(q[0], k[0], v[0], g, beta, ssm_states, rnd.slots, rnd.tree, config=None,
-                          validate=self.validate, out=rnd.results.layer(layer, rnd.tree))
+                          validate=self.validate, out=self._layer_out(rnd.results, layer, rnd.tree))
         rnd.layers.add(layer)
         return res.o.unsqueeze(0)
 
