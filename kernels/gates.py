@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import INPUT_DTYPES, use_triton, validation_enabled
+from .launcher import FastLauncher, misaligned
 
 
 @triton.jit
@@ -75,11 +76,11 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
     tensors = (a, b, a_log, dt_bias, g, beta)
     pointers = tuple(x.data_ptr() for x in tensors)
     sizes = (n, heads, a.stride(0), b.stride(0))
-    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, every integer argument (Triton
-    # specialises on them) and the blocks they set; a misaligned tensor takes Triton's own specialisation
-    aligned = not (pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]) & 15
-    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, *sizes) if aligned else None
-    _launcher().launch_keyed(key, (triton.cdiv(n, block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
+    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, which tensors are misaligned,
+    # every integer argument (Triton specialises on them) and the blocks they set
+    bits = pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]
+    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, misaligned(pointers, bits), *sizes)
+    _launcher().launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
                              lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
     return g, beta
 
@@ -102,7 +103,5 @@ def _launcher():
     """The gates kernel's `FastLauncher` (made on first use): an eager call skips Triton's binder, which costs more
     host time than the rest of the call (BENCHMARKS.md, "The host path")."""
     if not _LAUNCHERS:
-        from .launcher import FastLauncher
-
         _LAUNCHERS.append(FastLauncher(gdn_gates_kernel))
     return _LAUNCHERS[0]

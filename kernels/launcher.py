@@ -11,7 +11,7 @@ each specialisation it has seen and later calls its C launcher directly, on one 
   block, the 32/64-bit range of the integers Triton does not specialise, and the launch's constants and options),
   so a call that Triton would compile differently never reuses another call's binary. Building it costs about as much as Triton's binder.
 - `FastLauncher.launch_keyed`: a key the caller builds from what it knows (the verify and the commit: their launch
-  or config, sizes, dtypes, strides, and whether every tensor is 16-byte aligned; the shapes and dtypes fixed by
+  or config, sizes, dtypes, strides, and which tensors are not 16-byte aligned, `misaligned`; the shapes and dtypes fixed by
   their checks), with each tensor passed as its device address (the C launcher takes an int as the pointer
   itself). The arguments with the tensors and the keywords are built only when no binary is kept under the key.
 
@@ -27,6 +27,16 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+
+
+def misaligned(pointers: tuple, bits: int) -> tuple | None:
+    """A caller key's part for the 16-byte alignment of its tensors (Triton specialises a pointer argument on it):
+    None where every one of ``pointers`` is aligned (``bits``, their OR, says so), else which of them are not, so a
+    launch on misaligned views (a layer's row of stacked results, a slice at an odd offset) is keyed by the caller
+    too, not sent through the argument key (about four times the host time)."""
+    if not bits & 15:
+        return None
+    return tuple(p & 15 != 0 for p in pointers)
 
 
 def _hooked(hook) -> bool:

@@ -179,6 +179,23 @@ def test_a_kept_binary_is_called_through_its_c_launcher_when_it_needs_no_scratch
     assert _direct_launch(SimpleNamespace(run=lambda *a: None)) is None  # another launcher: its own call
 
 
+def test_the_misalignment_key_names_each_misaligned_pointer():
+    """`misaligned`: None where all are aligned; else which are not, so two launches misaligned in different tensors
+    (Triton compiles each its own way) never share a key."""
+    from bole_tune.kernels.launcher import misaligned
+
+    def key(*pointers):
+        bits = 0
+        for p in pointers:
+            bits |= p
+        return misaligned(pointers, bits)
+
+    assert key(0x1000, 0x2010, 0x30) is None
+    assert key(0x1004, 0x2010, 0x30) == (True, False, False)
+    assert key(0x1000, 0x2012, 0x30) == (False, True, False)
+    assert key(0x1004, 0x2010, 0x30) != key(0x1000, 0x2012, 0x30)
+
+
 def test_the_interpreter_runs_triton_s_path():
     class Interpreted:  # no params: what TRITON_INTERPRET=1 gives
         def __init__(self):
@@ -225,11 +242,14 @@ def test_kept_binaries_verify_and_commit_exactly_on_the_gpu():
     wide = torch.zeros(x.q.numel() + 1, dtype=x.q.dtype, device="cuda")
     q = wide[1:].view_as(x.q)  # 2 bytes past a 16-byte boundary
     q.copy_(x.q)
-    res = tree_verify(q, *x.args(tree)[1:], variant="resident")
-    assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], "misaligned q")
-    assert len(run_module.RESIDENT.compiled) == kept + 1
     keyed = len(run_module.RESIDENT.by_caller_key)
-    assert keyed >= 1, "the verify's launches are keyed by the caller"
+    for call in range(2):  # the second through the kept binary, keyed by the caller with q's misalignment
+        res = tree_verify(q, *x.args(tree)[1:], variant="resident")
+        assert_close(res.o, ref.o, TOLERANCE[torch.bfloat16], f"misaligned q, call {call}")
+    assert len(run_module.RESIDENT.compiled) == kept + 1
+    assert len(run_module.RESIDENT.by_caller_key) == keyed + 1, "a misaligned launch is keyed by the caller too"
+    keyed = len(run_module.RESIDENT.by_caller_key)
+    assert keyed >= 2, "the verify's launches are keyed by the caller"
     wide = torch.zeros(x.q.shape[0], x.q.shape[1], 2 * x.q.shape[2], dtype=x.q.dtype, device="cuda")
     q = wide[:, :, :x.q.shape[2]]  # aligned, but every row strided as in a fused projection
     q.copy_(x.q)

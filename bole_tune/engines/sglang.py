@@ -132,6 +132,7 @@ class SGLangTreeVerifyKernel:
         self._current: _Round | None = None
         self._layer_ids: dict = {}
         self._views: dict = {}  # (layers, nodes, requests) -> (storage, its LayerResults views, each layer's result)
+        self._heads: dict = {}  # (hk, hv, dk, dv) -> HeadShape (checked once)
 
     # the layer of a call
     def _layer_of(self, ssm_states: torch.Tensor, kwargs) -> int:
@@ -239,7 +240,9 @@ class SGLangTreeVerifyKernel:
         if ssm_states.dtype != torch.float32:
             raise TypeError(f"ssm_states: dtype {ssm_states.dtype}; bole-tune needs --mamba-ssm-dtype float32")
         layer = self._layer_of(ssm_states, kwargs)
-        heads = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
+        heads = self._heads.get((hk, hv, dk, dv))
+        if heads is None:
+            heads = self._heads[(hk, hv, dk, dv)] = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
         rnd = self._round(retrieve_parent_token, cache_indices, layer, heads, q.dtype, q.device)
         if layer >= rnd.results.num_layers:  # no pool given: a layer not seen before
             rnd.results = self._buffers(layer + 1, rnd.tree, heads, q.dtype, q.device)

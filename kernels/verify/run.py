@@ -11,7 +11,7 @@ import torch
 from bole_tune.tree import TreeBatch
 
 from ..common import dot_precision, gram_dtype
-from ..launcher import FastLauncher
+from ..launcher import FastLauncher, misaligned
 from .fused import tree_verify_fused_kernel
 from .gluon import gluon_launch, gluon_takes
 from .planner import Launch
@@ -90,8 +90,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     ``pending``'s paths and result, each None where there is none): their addresses stand for the tensors'.
 
     The launch is keyed (`FastLauncher.launch_keyed`) on what decides its binary beyond the checked shapes and
-    dtypes: the launch, the input, gate and index dtypes, the strides, and whether every tensor is 16-byte aligned
-    (a misaligned one takes Triton's own specialisation by argument)."""
+    dtypes: the launch, the input, gate and index dtypes, the strides, and which tensors are not 16-byte aligned
+    (`launcher.misaligned`: Triton specialises on it)."""
     h, config = shape.heads, launch.config
     sq, sk, sv = q.stride(), k.stride(), v.stride()
     if sq[2] != 1:
@@ -171,8 +171,8 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         state_hint = STATE_HINTS["verify" if pending is None and ring is None else "read" if correct else "fold"]
     else:
         state_hint = FUSED_STATE_HINTS["one_block" if max_blocks == 1 else "blocks"]
-    key = None if bits & 15 else (launch_number(launch), h.dk, h.dv, q.dtype, q.is_cuda, g.dtype, beta.dtype,
-                                  state_indices.dtype, use_qk_l2norm, fold_key, rows_first, state_hint, *sizes)
+    key = (launch_number(launch), h.dk, h.dv, q.dtype, q.is_cuda, g.dtype, beta.dtype, state_indices.dtype,
+           use_qk_l2norm, fold_key, rows_first, state_hint, misaligned(pointers, bits), *sizes)
 
     def args() -> tuple:
         return (*tensors[:17], *fold, *scalars)

@@ -52,7 +52,7 @@ from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
 from ..common import path_precision, require_tensor, use_triton
-from ..launcher import FastLauncher
+from ..launcher import FastLauncher, misaligned
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
 from .checks import check_commit_inputs
@@ -325,7 +325,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     """One commit launch over ``layers`` layers: ``states`` the first layer's pool (``state_strides``: layer, slot,
     head and value row), the factors the first layer's (``layer_strides``: u, log_decay, k, k_scale and committed
     to the next layer; all 0 for one layer). Keyed (`FastLauncher.launch_keyed`) on the config, the sizes, the
-    dtypes, the strides and whether every tensor is 16-byte aligned."""
+    dtypes, the strides and which tensors are not 16-byte aligned (`launcher.misaligned`)."""
     hv, dv = u.shape[-2], u.shape[-1]
     hk, dk = k.shape[-2], k.shape[-1]
     if config is None:
@@ -344,9 +344,9 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
-    key = None if reduce(or_, pointers) & 15 else (
-        config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-        k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, *state_strides, *layer_strides)
+    key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
+           k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, misaligned(pointers, reduce(or_, pointers)),
+           *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, (desc, *pointers, *scalars), lambda: (desc, *tensors, *scalars), lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
         PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], TMA=tma,
