@@ -41,6 +41,52 @@ def gdn_gates_kernel(
 def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``g`` and ``beta`` ``[N, Hv]`` float32 from the raw projections ``a``, ``b`` ``[N, Hv]`` and the
     per-head ``A_log``, ``dt_bias`` ``[Hv]``."""
+    if not _gates_fit(a, b, a_log, dt_bias):  # the common case in plain comparisons; else name what is wrong
+        _explain_gates(a, b, a_log, dt_bias)
+    if validation_enabled(validate):
+        flags = torch.stack([~torch.isfinite(t).all() for t in (a, b, a_log, dt_bias)]).tolist()
+        for flag, name in zip(flags, ("a", "b", "a_log", "dt_bias")):
+            if flag:
+                raise ValueError(f"{name}: contains NaN or inf (the gates would be NaN)")
+    if not use_triton(a.device):
+        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+        return g, torch.sigmoid(b.float())
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(1) != 1:
+        b = b.contiguous()
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+    n, heads = a.shape
+    g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    block_h, block_n = _blocks(heads)
+    tensors = (a, b, a_log, dt_bias, g, beta)
+    pointers = (a.data_ptr(), b.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(), beta.data_ptr())
+    sizes = (n, heads, a.stride(0), b.stride(0))
+    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, which tensors are misaligned,
+    # every integer argument (Triton specialises on them) and the blocks they set
+    bits = pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]
+    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, misaligned(pointers, bits), *sizes)
+    _launcher().launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
+                             lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
+    return g, beta
+
+
+def _gates_fit(a, b, a_log, dt_bias) -> bool:
+    """Whether `_explain_gates` would pass, as plain comparisons (no error)."""
+    tensor = torch.Tensor
+    if not (isinstance(a, tensor) and isinstance(b, tensor) and isinstance(a_log, tensor)
+            and isinstance(dt_bias, tensor)):
+        return False
+    shape, device = a.shape, a.device
+    return (len(shape) == 2 and b.shape == shape and a_log.shape == shape[1:] and dt_bias.shape == shape[1:]
+            and a.dtype in INPUT_DTYPES and b.dtype in INPUT_DTYPES and a_log.dtype in INPUT_DTYPES
+            and dt_bias.dtype in INPUT_DTYPES and b.device == device and a_log.device == device
+            and dt_bias.device == device)
+
+
+def _explain_gates(a, b, a_log, dt_bias) -> None:
+    """`gdn_gates`' argument checks one by one, raising with the argument's name."""
     for name, x in (("a", a), ("b", b), ("a_log", a_log), ("dt_bias", dt_bias)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -56,33 +102,6 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
     for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
         if tuple(x.shape) != (heads,):
             raise ValueError(f"{name}: expected shape [Hv={heads}], got {tuple(x.shape)}")
-    if validation_enabled(validate):
-        flags = torch.stack([~torch.isfinite(t).all() for t in (a, b, a_log, dt_bias)]).tolist()
-        for flag, name in zip(flags, ("a", "b", "a_log", "dt_bias")):
-            if flag:
-                raise ValueError(f"{name}: contains NaN or inf (the gates would be NaN)")
-    if not use_triton(a.device):
-        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-        return g, torch.sigmoid(b.float())
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    if b.stride(-1) != 1:
-        b = b.contiguous()
-    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
-    n = a.shape[0]
-    g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
-    beta = torch.empty_like(g)
-    block_h, block_n = _blocks(heads)
-    tensors = (a, b, a_log, dt_bias, g, beta)
-    pointers = tuple(x.data_ptr() for x in tensors)
-    sizes = (n, heads, a.stride(0), b.stride(0))
-    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, which tensors are misaligned,
-    # every integer argument (Triton specialises on them) and the blocks they set
-    bits = pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]
-    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, misaligned(pointers, bits), *sizes)
-    _launcher().launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
-                             lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
-    return g, beta
 
 
 _BLOCKS: dict = {}
