@@ -38,11 +38,15 @@ def gdn_gates_kernel(
     tl.store(beta_ptr + o_n[:, None] * heads + o_h[None, :], tl.sigmoid(b_b), mask=m)
 
 
-def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``g`` and ``beta`` ``[N, Hv]`` float32 from the raw projections ``a``, ``b`` ``[N, Hv]`` and the
-    per-head ``A_log``, ``dt_bias`` ``[Hv]``."""
+    per-head ``A_log``, ``dt_bias`` ``[Hv]``. ``out``: a ``(g, beta)`` pair of contiguous float32 ``[N, Hv]`` tensors
+    on a's device to write into (reused across layers: no allocation per call), else new ones."""
     if not _gates_fit(a, b, a_log, dt_bias):  # the common case in plain comparisons; else name what is wrong
         _explain_gates(a, b, a_log, dt_bias)
+    if out is not None:
+        _check_gates_out(out, a)
     if validation_enabled(validate):
         flags = torch.stack([~torch.isfinite(t).all() for t in (a, b, a_log, dt_bias)]).tolist()
         for flag, name in zip(flags, ("a", "b", "a_log", "dt_bias")):
@@ -50,15 +54,23 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
                 raise ValueError(f"{name}: contains NaN or inf (the gates would be NaN)")
     if not use_triton(a.device):
         g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-        return g, torch.sigmoid(b.float())
+        beta = torch.sigmoid(b.float())
+        if out is None:
+            return g, beta
+        out[0].copy_(g)
+        out[1].copy_(beta)
+        return out
     if a.stride(1) != 1:
         a = a.contiguous()
     if b.stride(1) != 1:
         b = b.contiguous()
     a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
     n, heads = a.shape
-    g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
-    beta = torch.empty_like(g)
+    if out is None:
+        g = torch.empty(n, heads, dtype=torch.float32, device=a.device)
+        beta = torch.empty_like(g)
+    else:
+        g, beta = out
     block_h, block_n = _blocks(heads)
     tensors = (a, b, a_log, dt_bias, g, beta)
     pointers = (a.data_ptr(), b.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(), beta.data_ptr())
@@ -70,6 +82,20 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None) -> tuple[torch
     _launcher().launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
                              lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
     return g, beta
+
+
+def _check_gates_out(out, a) -> None:
+    """``out`` must be two distinct contiguous float32 tensors of a's shape on a's device."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"out: expected a (g, beta) pair of tensors, got {type(out).__name__}")
+    for name, x in zip(("out[0] (g)", "out[1] (beta)"), out):
+        if not (isinstance(x, torch.Tensor) and x.shape == a.shape and x.dtype == torch.float32
+                and x.device == a.device and x.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous float32 tensor of shape {tuple(a.shape)} on {a.device}, "
+                             f"got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))} on "
+                             f"{getattr(x, 'device', '-')}")
+    if out[0].data_ptr() == out[1].data_ptr():
+        raise ValueError("out: g and beta must be two tensors, not one")
 
 
 def _gates_fit(a, b, a_log, dt_bias) -> bool:

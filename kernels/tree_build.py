@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .common import INDEX_DTYPES, use_triton
+from .launcher import FastLauncher, misaligned
 
 BLOCK_SIZES = (16, 32, 64)
 """The node-block sizes whose depth tables are built (every value `config.node_block` returns)."""
@@ -148,20 +149,36 @@ def build_tree_tables(parent_table: torch.Tensor, num_warps: int | None = None) 
         return tree_tables_torch(parent_table)
     if parent_table.dtype not in INDEX_DTYPES:
         parent_table = parent_table.long()
-    tile = max(16, triton.next_power_of_2(t))
+    tile = max(16, 1 << (t - 1).bit_length())  # the next power of two (triton's costs a constexpr call)
     i32 = torch.int32
     nodes = [torch.empty(b * t, dtype=i32, device=device) for _ in range(4)]
     offsets = torch.empty(b + 1, dtype=i32, device=device)
     blocks = {bs: -(-t // bs) for bs in BLOCK_SIZES}
     tables = {bs: torch.empty(b, blocks[bs], dtype=i32, device=device) for bs in BLOCK_SIZES}
-    tree_build_kernel[(b,)](
-        parent_table, *nodes, offsets, tables[16], tables[32], tables[64],
-        t, parent_table.stride(0), parent_table.stride(1), blocks[16], blocks[32], blocks[64],
-        NUM_SQUARINGS=math.ceil(math.log2(t)), TB=tile,
-        NB16=max(2, tile // 16), NB32=max(2, tile // 32), NB64=max(2, tile // 64),
-        num_warps=num_warps or _num_warps(tile),
-    )
+    tensors = (parent_table, *nodes, offsets, tables[16], tables[32], tables[64])
+    sizes = (t, parent_table.stride(0), parent_table.stride(1), blocks[16], blocks[32], blocks[64])
+    pointers = tuple(x.data_ptr() for x in tensors)
+    bits = 0
+    for p in pointers:
+        bits |= p
+    warps = num_warps or _num_warps(tile)
+    # keyed on what decides the binary (`FastLauncher.launch_keyed`): the table's dtype, which tensors are
+    # misaligned, every integer argument (Triton specialises on them; the constants follow from T) and the warps
+    key = (parent_table.dtype, misaligned(pointers, bits), warps, *sizes)
+    _launcher().launch_keyed(key, (b,), (*pointers, *sizes), lambda: (*tensors, *sizes), lambda: dict(
+        NUM_SQUARINGS=math.ceil(math.log2(t)), TB=tile, NB16=max(2, tile // 16), NB32=max(2, tile // 32),
+        NB64=max(2, tile // 64), num_warps=warps))
     return TreeTables(offsets, *nodes, {bs: (tables[bs], blocks[bs]) for bs in BLOCK_SIZES})
+
+
+_LAUNCHERS: list = []
+
+
+def _launcher():
+    """The tree-build kernel's `FastLauncher` (made on first use): once per round, without Triton's binder."""
+    if not _LAUNCHERS:
+        _LAUNCHERS.append(FastLauncher(tree_build_kernel))
+    return _LAUNCHERS[0]
 
 
 def tree_tables_torch(parent_table: torch.Tensor) -> TreeTables:

@@ -75,6 +75,10 @@ def test_gates_match_transformers_formula(device):
     assert g.dtype == beta.dtype == F32
     assert relative_error(g, want_g) < 1e-6
     assert relative_error(beta, torch.sigmoid(b.float())) < 1e-6
+    out = (torch.full_like(g, float("nan")), torch.full_like(g, float("nan")))
+    written = gdn_gates(a, b, a_log, dt_bias, out=out)
+    assert written[0] is out[0] and written[1] is out[1]
+    assert torch.equal(out[0], g) and torch.equal(out[1], beta)  # the same launch, into the given buffers
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -92,8 +96,14 @@ def test_gates_match_transformers_formula(device):
     (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2] * float("inf"), w[:2, 0], w[:2, 1]), ValueError,
      "b: contains NaN or inf"),
     (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2], w[:3, 0], w[:2, 1]), ValueError, "a_log: expected shape"),
+    (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2], w[:2, 0], w[:2, 1], out=(x[:, :2], x[:, :2])), ValueError,
+     r"out\[0\] \(g\): expected a contiguous float32 tensor of shape \(7, 2\)"),
+    (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2], w[:2, 0], w[:2, 1], out=(torch.zeros(7, 2),) * 2),
+     ValueError, "out: g and beta must be two tensors"),
+    (lambda t, x, s, w, i: gdn_gates(x[:, :2], x[:, :2], w[:2, 0], w[:2, 1], out=torch.zeros(7, 2)), TypeError,
+     r"out: expected a \(g, beta\) pair"),
 ], ids=["rows", "width", "slot-dtype", "slot-range", "x-dtype", "nan", "activation", "strided-state",
-        "accepted", "gate-shape", "gate-inf", "a-log-shape"])
+        "accepted", "gate-shape", "gate-inf", "a-log-shape", "gate-out-strided", "gate-out-same", "gate-out-type"])
 def test_bad_inputs_are_refused(call, error, message, monkeypatch):
     monkeypatch.setenv("BOLE_TUNE_VALIDATE", "1")  # values (slots, NaN, accepted) are checked when asked
     tree, x, state, weight, slots = conv_case("cpu", [4, 3], "random", 8, 4, F32)

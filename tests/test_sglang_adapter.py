@@ -266,6 +266,31 @@ def test_rounds_keep_each_layers_result_and_stay_exact(device):
     assert torch.equal(pool, fresh)
 
 
+def test_a_commit_of_fewer_requests_than_verified_leaves_the_rest(device):
+    """SGLang may commit fewer rows than it verified (padding at the end): the rows past n keep their slots, as a
+    commit of all rows with those rows' steps at -1 (the launch path without padding) leaves them."""
+    rng = random.Random(13)
+    case = make_case([random_tree(6, rng) for _ in range(3)], 1, 2, 16, torch.bfloat16, 14)
+    x = {n: t.to(device) for n, t in case.items()}
+    pools = []
+    for rows in (2, 3):
+        kernel = SGLangTreeVerifyKernel()
+        pool = x["pool"].clone()
+        kernel.target_verify(x["A_log"], x["dt_bias"], x["q"], x["k"], x["v"], x["a"], x["b"], ssm_states=pool,
+                             cache_indices=x["cache_indices"],
+                             query_start_loc=torch.arange(0, 19, 6, dtype=torch.int32, device=device),
+                             retrieve_parent_token=x["parents"])
+        steps = x["steps"].clone()
+        if rows == 3:
+            steps[2] = -1  # the third row: nothing to commit
+        kernel.commit(steps[:rows], x["cache_indices"][:rows], pools=[pool])
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1])
+    third = int(case["cache_indices"][2])
+    assert torch.equal(pools[0][third], x["pool"][third]), "the row past n was committed"
+    assert not torch.equal(pools[0], x["pool"]), "nothing was committed"
+
+
 def test_refuses_ragged_and_bf16_pool(device):
     case = make_case([[-1, 0], [-1, 0]], 1, 1, 16, torch.bfloat16, 12)
     x = {n: t.to(device) for n, t in case.items()}

@@ -102,6 +102,7 @@ class _Round:
     results: LayerResults
     layers: set = field(default_factory=set)
     captured: bool = False
+    gates: tuple | None = None  # (g, beta) [N, Hv] float32, written by each layer's gates (`_gates_out`)
 
 
 class SGLangTreeVerifyKernel:
@@ -193,6 +194,16 @@ class SGLangTreeVerifyKernel:
             out = views[2][layer] = results.layer(layer, tree)
         return out
 
+    def _gates_out(self, rnd: _Round, n: int, hv: int, device) -> tuple:
+        """The round's ``(g, beta)`` buffers, shared by its layers: each layer's gates are written and read by its
+        verify before the next layer's are written (one stream), so one pair serves the round, and a captured
+        round keeps its own."""
+        gates = rnd.gates
+        if gates is None:
+            g = torch.empty(2, n, hv, dtype=torch.float32, device=device)
+            gates = rnd.gates = (g[0], g[1])
+        return gates
+
     def reserve(self, num_requests: int, tree_size: int, heads: HeadShape, dtype, device, num_layers=None):
         """Allocate the factor storage up front (before CUDA-graph capture) for rounds up to this size."""
         layers = num_layers or (self.pools.shape[0] if self.pools is not None else 1)
@@ -246,7 +257,11 @@ class SGLangTreeVerifyKernel:
         rnd = self._round(retrieve_parent_token, cache_indices, layer, heads, q.dtype, q.device)
         if layer >= rnd.results.num_layers:  # no pool given: a layer not seen before
             rnd.results = self._buffers(layer + 1, rnd.tree, heads, q.dtype, q.device)
-        g, beta = gdn_gates(a.reshape(n, hv), b.reshape(n, hv), A_log, dt_bias, validate=False)
+        if a.shape != (n, hv):
+            a = a.reshape(n, hv)
+        if b.shape != (n, hv):
+            b = b.reshape(n, hv)
+        g, beta = gdn_gates(a, b, A_log, dt_bias, validate=False, out=self._gates_out(rnd, n, hv, q.device))
         res = tree_verify(q[0], k[0], v[0], g, beta, ssm_states, rnd.slots, rnd.tree, config=None,
                           validate=self.validate, out=self._layer_out(rnd.results, layer, rnd.tree))
         rnd.layers.add(layer)
@@ -291,9 +306,11 @@ class SGLangTreeVerifyKernel:
             raise ValueError(f"accepted_steps: {n} requests, state_indices {dst.shape[0]}, verified {b}")
 
         def padded(node, slot):
-            acc = torch.full((b,), -1, dtype=torch.int32, device=device)
             ok = (node >= 0) & (node < t) & (slot >= 0)
-            acc[:n] = torch.where(ok, node, torch.full_like(node, -1)).to(torch.int32)
+            if n == b:  # no padding rows: the same, in fewer launches
+                return torch.where(ok, node, -1).to(torch.int32), slot.to(torch.int32).clamp(min=0)
+            acc = torch.full((b,), -1, dtype=torch.int32, device=device)
+            acc[:n] = torch.where(ok, node, -1).to(torch.int32)
             slots = rnd.slots.clone()
             slots[:n] = slot.to(torch.int32).clamp(min=0)
             return acc, slots
