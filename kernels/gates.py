@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import INPUT_DTYPES, use_triton, validation_enabled
-from .launcher import FastLauncher, misaligned
+from .launcher import FastLauncher, addresses
 
 
 @triton.jit
@@ -36,6 +36,11 @@ def gdn_gates_kernel(
     softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
     tl.store(g_ptr + o_n[:, None] * heads + o_h[None, :], -tl.exp(a_log)[None, :] * softplus, mask=m)
     tl.store(beta_ptr + o_n[:, None] * heads + o_h[None, :], tl.sigmoid(b_b), mask=m)
+
+
+GATES = FastLauncher(gdn_gates_kernel)
+"""The gates kernel's launches: an eager call skips Triton's binder, which costs more host time than the rest of
+the call (BENCHMARKS.md, "The host path")."""
 
 
 def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None,
@@ -73,14 +78,13 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None,
         g, beta = out
     block_h, block_n = _blocks(heads)
     tensors = (a, b, a_log, dt_bias, g, beta)
-    pointers = (a.data_ptr(), b.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(), beta.data_ptr())
+    pointers, alignment = addresses(tensors)
     sizes = (n, heads, a.stride(0), b.stride(0))
     # keyed on what decides the binary (`FastLauncher.launch_keyed`): the dtypes, which tensors are misaligned,
     # every integer argument (Triton specialises on them) and the blocks they set
-    bits = pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4] | pointers[5]
-    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, misaligned(pointers, bits), *sizes)
-    _launcher().launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
-                             lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
+    key = (a.dtype, b.dtype, a_log.dtype, dt_bias.dtype, alignment, *sizes)
+    GATES.launch_keyed(key, (-(-n // block_n),), (*pointers, *sizes), lambda: (*tensors, *sizes),
+                       lambda: dict(BLOCK_N=block_n, BLOCK_H=block_h))
     return g, beta
 
 
@@ -131,7 +135,6 @@ def _explain_gates(a, b, a_log, dt_bias) -> None:
 
 
 _BLOCKS: dict = {}
-_LAUNCHERS: list = []
 
 
 def _blocks(heads: int) -> tuple[int, int]:
@@ -142,11 +145,3 @@ def _blocks(heads: int) -> tuple[int, int]:
         block_h = triton.next_power_of_2(heads)
         blocks = _BLOCKS[heads] = (block_h, max(1, min(64, 4096 // block_h)))
     return blocks
-
-
-def _launcher():
-    """The gates kernel's `FastLauncher` (made on first use): an eager call skips Triton's binder, which costs more
-    host time than the rest of the call (BENCHMARKS.md, "The host path")."""
-    if not _LAUNCHERS:
-        _LAUNCHERS.append(FastLauncher(gdn_gates_kernel))
-    return _LAUNCHERS[0]

@@ -39,6 +39,15 @@ def misaligned(pointers: tuple, bits: int) -> tuple | None:
     return tuple(p & 15 != 0 for p in pointers)
 
 
+def addresses(tensors: tuple) -> tuple[tuple, tuple | None]:
+    """The device addresses of ``tensors`` (a launch's fast arguments) and their `misaligned` key part."""
+    pointers = tuple(x.data_ptr() for x in tensors)
+    bits = 0
+    for p in pointers:
+        bits |= p
+    return pointers, misaligned(pointers, bits)
+
+
 def _hooked(hook) -> bool:
     """A launch hook is installed (Triton 3.6 keeps an empty chain of hooks when none is)."""
     return hook is not None and bool(getattr(hook, "calls", True))

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .common import INDEX_DTYPES, use_triton
-from .launcher import FastLauncher, misaligned
+from .launcher import FastLauncher, addresses
 
 BLOCK_SIZES = (16, 32, 64)
 """The node-block sizes whose depth tables are built (every value `config.node_block` returns)."""
@@ -126,6 +126,10 @@ def tree_build_kernel(
     _block_table(b_anc, o_i, m_i, blk64_ptr, i_r, nb64, 64, NB64)
 
 
+TREE_BUILD = FastLauncher(tree_build_kernel)
+"""The tree-build kernel's launches (once per round), without Triton's binder."""
+
+
 def _num_warps(tile: int) -> int:
     return {16: 1, 32: 2, 64: 4}.get(tile, 8)
 
@@ -157,28 +161,16 @@ def build_tree_tables(parent_table: torch.Tensor, num_warps: int | None = None) 
     tables = {bs: torch.empty(b, blocks[bs], dtype=i32, device=device) for bs in BLOCK_SIZES}
     tensors = (parent_table, *nodes, offsets, tables[16], tables[32], tables[64])
     sizes = (t, parent_table.stride(0), parent_table.stride(1), blocks[16], blocks[32], blocks[64])
-    pointers = tuple(x.data_ptr() for x in tensors)
-    bits = 0
-    for p in pointers:
-        bits |= p
+    pointers, alignment = addresses(tensors)
     warps = num_warps or _num_warps(tile)
     # keyed on what decides the binary (`FastLauncher.launch_keyed`): the table's dtype, which tensors are
     # misaligned, every integer argument (Triton specialises on them; the constants follow from T) and the warps
-    key = (parent_table.dtype, misaligned(pointers, bits), warps, *sizes)
-    _launcher().launch_keyed(key, (b,), (*pointers, *sizes), lambda: (*tensors, *sizes), lambda: dict(
+    key = (parent_table.dtype, alignment, warps, *sizes)
+    TREE_BUILD.launch_keyed(key, (b,), (*pointers, *sizes), lambda: (*tensors, *sizes), lambda: dict(
         NUM_SQUARINGS=math.ceil(math.log2(t)), TB=tile, NB16=max(2, tile // 16), NB32=max(2, tile // 32),
         NB64=max(2, tile // 64), num_warps=warps))
     return TreeTables(offsets, *nodes, {bs: (tables[bs], blocks[bs]) for bs in BLOCK_SIZES})
 
-
-_LAUNCHERS: list = []
-
-
-def _launcher():
-    """The tree-build kernel's `FastLauncher` (made on first use): once per round, without Triton's binder."""
-    if not _LAUNCHERS:
-        _LAUNCHERS.append(FastLauncher(tree_build_kernel))
-    return _LAUNCHERS[0]
 
 
 def tree_tables_torch(parent_table: torch.Tensor) -> TreeTables:
