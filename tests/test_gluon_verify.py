@@ -209,6 +209,26 @@ def test_gluon_takes_only_what_it_was_built_for():
     assert not takes(ring=write, launch=launch.replace(config=KernelConfig(64, 32, 4, 2, gluon=1)))  # 32-row tiles
 
 
+def test_the_l2_prefetch_distance_is_per_multiprocessor_and_in_the_launch(monkeypatch):
+    """Each mode's prefetch distance is its `L2_AHEAD_PER_SM` times the device's multiprocessors (the H200's where no GPU
+    is asked), and it is in the launch's constants, so a changed setting compiles and keys its own kernel."""
+    tree = make_tree([64] * 2, "random", max_depth=8, seed=1, device="cpu")
+    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, BF16, "cpu", seed=1)
+    from bole_tune.kernels.verify.checks import check_verify_inputs
+    from bole_tune.kernels.verify.result import result_buffers
+    shape = check_verify_inputs(*x.args(tree), None, False)
+    res = result_buffers(shape, BF16, "cpu", tree, None)
+    ring = PendingRing(x.state.shape[0], 3, 9, capacity=tree.num_nodes, max_requests=2, device="cpu")
+    read = RingRead(RingRound(ring, tree, 0, False), ring.results(HEADS_9B, BF16))
+    for per_sm in (0, 2, 5):
+        monkeypatch.setitem(gluon_module.L2_AHEAD_PER_SM, "verify", per_sm)
+        monkeypatch.setitem(gluon_module.L2_AHEAD_PER_SM, "read", per_sm + 1)
+        _, _, meta = gluon_module.launch_args(*x.args(tree)[:7], tree, shape, res, gluon_module.UNTUNED_CONFIG)
+        assert meta["L2_AHEAD"] == per_sm * gluon_module.H200_SMS and meta["MODE"] == 0
+        _, _, meta = gluon_module.launch_args(*x.args(tree)[:7], tree, shape, res, gluon_module.UNTUNED_CONFIG, read)
+        assert meta["L2_AHEAD"] == (per_sm + 1) * gluon_module.H200_SMS and meta["MODE"] == 1
+
+
 def test_every_mode_compiles_for_sm90_within_two_programs_an_sm():
     """Compiled here, without a GPU (a process without TRITON_INTERPRET): a compile error, or shared memory past two
     programs an SM (the B=16 launch then runs in three waves, not two), shows before any device run."""

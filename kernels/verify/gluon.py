@@ -77,6 +77,19 @@ MAX_RING_WIDTH = 32
 """The widest `PendingRing` table the Gluon read and write rounds take (R = 3 rounds of 9-node paths). A write round
 at width 32 holds 110,592 B of shared memory, two programs an SM; wider tables run the Triton kernels."""
 MODES = {"verify": 0, "read": 1, "write": 2}
+L2_AHEAD_PER_SM = {"verify": 3, "read": 0, "write": 0}
+"""How far ahead, in programs per multiprocessor, each program of a mode requests a later program's inputs into L2
+(``prefetch.global.L2`` of its q, k and v rows and its state, after its own q and k rows have arrived): the launch
+position ``i + L2_AHEAD_PER_SM * SMs`` is roughly the program that starts on this multiprocessor a wave or so later
+(two programs an SM), so its memory latency passes while this one computes. 0: none. Measured on the H200
+(`lab/gluon_l2.py`, 9B bf16, 64-node trees, medians of two alternating turns, BENCHMARKS.md "Twenty-ninth
+session"): the verify at B=16 49.0 us with none, 47.4 / 47.3 / 47.2 at 2 / 3 / 4, at B=32 94.9 against 91.2 / 89.8 /
+91.5; a ring's read round at B=16 56.9 against 55.9-57.3, at B=32 107.9 against 110.4-111.1 (slower: its tokens'
+rows compete for L2); the write round unchanged at 0 and 1.7-4% slower at 3. Launches of one wave (B <= 8) have no
+later program to prefetch for."""
+H200_SMS = 132
+"""Multiprocessors the launch's prefetch distance is worked out for where no GPU is asked (`compile_report` on the
+CPU): the H200's."""
 
 
 def gluon_ring_rounds(max_path: int, most: int) -> int:
@@ -140,7 +153,7 @@ if gluon is not None:
         LD_KP: gl.constexpr, LD_W: gl.constexpr,
         QK_SHARED: gl.constexpr, X_SHARED: gl.constexpr, S_SHARED: gl.constexpr, R_SHARED: gl.constexpr,
         S32_SHARED: gl.constexpr, V_SHARED: gl.constexpr, KP_SHARED: gl.constexpr, DP_SHARED: gl.constexpr,
-        UP_SHARED: gl.constexpr,
+        UP_SHARED: gl.constexpr, L2_AHEAD: gl.constexpr, LD_L2: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         RING: gl.constexpr = MODE == 1
@@ -239,6 +252,13 @@ if gluon is not None:
             gl.store(p_kout + o_t[:, None] * (H_K * D_K) + o_k[None, :], b_k, mask=m_t[:, None] & write_keys)
         fence_async_shared()
         gl.thread_barrier()
+        if L2_AHEAD > 0:
+            # a later program's inputs requested into L2 while this one works (its own are in): about the program
+            # that starts on this multiprocessor a wave later
+            l2_ahead(i_r * H_V + i_h + L2_AHEAD, gl.num_programs(0) * gl.num_programs(1), H_V, group, offsets_ptr,
+                     state_indices_ptr, q_ptr, k_ptr, v_ptr, state_ptr, stride_q_n, stride_q_h, stride_k_n,
+                     stride_k_h, stride_v_n, stride_v_h, stride_s_slot, stride_s_h, stride_s_v, D_K, D_V, B_T,
+                     2, LD_L2)  # 16-bit inputs
 
         # Gram products on wgmma, from shared memory
         b_qk = gl.zeros([B_T, B_T], gl.float32, layout=MMA)
@@ -455,6 +475,44 @@ if gluon is not None:
         return weight, gl.exp(gl.sum(ends, axis=0))
 
     @gluon.jit
+    def l2_ahead(lin, n_programs, H_V, group, offsets_ptr, state_indices_ptr, q_ptr, k_ptr, v_ptr, state_ptr,
+                 stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h, stride_s_slot, stride_s_h,
+                 stride_s_v, D_K: gl.constexpr, D_V: gl.constexpr, B_T: gl.constexpr, IN_BYTES: gl.constexpr,
+                 LD_L2: gl.constexpr):
+        """``prefetch.global.L2`` of the inputs of the program at launch position ``lin`` (none past the launch's
+        ``n_programs``; the grid is (value head, request), heads fastest): its tree's q, k and v rows and its head's
+        fp32 state, one prefetch per 128-byte line."""
+        if lin < n_programs:
+            h = lin % H_V
+            r = lin // H_V
+            bos = gl.load(offsets_ptr + r).to(gl.int64)
+            n = gl.load(offsets_ptr + r + 1).to(gl.int64) - bos
+            slot = gl.load(state_indices_ptr + r).to(gl.int64)
+            K_LINES: gl.constexpr = D_K * IN_BYTES // 128
+            V_LINES: gl.constexpr = D_V * IN_BYTES // 128
+            S_LINES: gl.constexpr = D_K * 4 // 128
+            o_t = gl.arange(0, B_T, layout=gl.SliceLayout(1, LD_L2))
+            rows = bos + o_t
+            o_kl = gl.arange(0, K_LINES, layout=gl.SliceLayout(0, LD_L2)) * (128 // IN_BYTES)
+            m_k = (o_t < n)[:, None] & (o_kl >= 0)[None, :]
+            l2_prefetch(q_ptr + rows[:, None] * stride_q_n + (h // group) * stride_q_h + o_kl[None, :], m_k)
+            l2_prefetch(k_ptr + rows[:, None] * stride_k_n + (h // group) * stride_k_h + o_kl[None, :], m_k)
+            o_vl = gl.arange(0, V_LINES, layout=gl.SliceLayout(0, LD_L2)) * (128 // IN_BYTES)
+            l2_prefetch(v_ptr + rows[:, None] * stride_v_n + h * stride_v_h + o_vl[None, :],
+                        (o_t < n)[:, None] & (o_vl >= 0)[None, :])
+            o_sl = gl.arange(0, S_LINES, layout=gl.SliceLayout(0, LD_L2)) * 32
+            p_s = state_ptr + slot * stride_s_slot + h * stride_s_h
+            for c in gl.static_range(D_V // B_T):  # the head's D_V state rows, B_T at a time
+                l2_prefetch(p_s + (c * B_T + o_t)[:, None] * stride_s_v + o_sl[None, :],
+                            (o_t >= 0)[:, None] & (o_sl >= 0)[None, :])
+
+    @gluon.jit
+    def l2_prefetch(ptrs, mask):
+        """One ``prefetch.global.L2`` per masked-in pointer (inline PTX: the GPU-only path)."""
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _add(a, b):
         return a + b
 
@@ -539,6 +597,7 @@ if gluon is not None:
             S32_SHARED=nvmma([B_V, B_K], gl.float32), V_SHARED=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
             KP_SHARED=nvmma([b_p, B_K], g16), DP_SHARED=nvmma([B_T, b_p], gl.float16),
             UP_SHARED=nvmma([b_p, B_V], gl.float16),
+            LD_L2=gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0]),
         )
 
 
@@ -582,19 +641,38 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state, b_k, b_v), *tables,
             shape.scale, h.hv, h.hk, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1], sb[0], sb[1],
             ss[0], ss[1], ss[2])
-    meta_key = (q.dtype, mode, b_p, b_k, b_v, config.num_stages >= 2, h.dk, h.dv)
+    ahead = l2_ahead_programs(q.device, mode)
+    meta_key = (q.dtype, mode, b_p, b_k, b_v, config.num_stages >= 2, h.dk, h.dv, ahead)
     meta = _metas.get(meta_key)
     if meta is None:  # its layout objects are built once per key: building them costs host time on every call
         options = dict(MODE_OPTIONS[mode])
         options["ALIAS_R"] = options["ALIAS_R"] and 2 * b_k == B_T  # R' in the state parts' bytes where their size
         meta = _metas[meta_key] = dict(D_K=h.dk, D_V=h.dv, B_T=B_T, B_K=b_k, B_V=b_v, G_FLOOR=LOG_DECAY_FLOOR,
-                                       MODE=mode, B_P=b_p, PREFETCH=config.num_stages >= 2, **options,
+                                       MODE=mode, B_P=b_p, PREFETCH=config.num_stages >= 2, L2_AHEAD=ahead,
+                                       **options,
                                        **layouts(q.dtype, mode, b_p, b_k, b_v), num_warps=4)
     return (h.hv, shape.num_requests), args, meta
 
 
 _metas: dict = {}
 _launchers: list = []
+_sms: dict = {}
+
+
+def l2_ahead_programs(device: torch.device, mode: int) -> int:
+    """The launch's prefetch distance in programs (`L2_AHEAD_PER_SM` of ``mode`` times the device's multiprocessors;
+    `H200_SMS` for a device that is not a GPU)."""
+    per_sm = L2_AHEAD_PER_SM[_MODE_NAMES[mode]]
+    if not per_sm:
+        return 0
+    sms = _sms.get(device)
+    if sms is None:
+        sms = _sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                              if device.type == "cuda" else H200_SMS)
+    return per_sm * sms
+
+
+_MODE_NAMES = {number: name for name, number in MODES.items()}
 
 
 def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, config, ring=None) -> None:
@@ -618,8 +696,8 @@ def gluon_launch(q, k, v, g, beta, state, state_indices, tree, shape, res, confi
             fast.append(a)
             if type(a) is int:
                 ints.append(a)
-    key = None if bits & 15 else (
-        "gluon", config, meta["MODE"], meta["B_P"], q.dtype, g.dtype, beta.dtype, state_indices.dtype, *ints)
+    key = None if bits & 15 else ("gluon", config, meta["MODE"], meta["B_P"], meta["L2_AHEAD"], q.dtype, g.dtype,
+                                  beta.dtype, state_indices.dtype, *ints)
     _launchers[0].launch_keyed(key, grid, tuple(fast), lambda: args, lambda: meta)
 
 
