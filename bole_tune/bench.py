@@ -307,17 +307,27 @@ class CaseBench:
     def time_ring(self, rounds: int = RING_ROUNDS, layers: int = 1, repeats: int = 50, read_launch: Launch | None = None,
                   write_launch: Launch | None = None) -> dict[str, Timing]:
         """A `PendingRing` of ``rounds`` rounds, each request accepting its deepest node every round (the most
-        tokens): ``ring_read`` a read round's verify with the tables holding ``rounds - 1`` rounds (the fullest a read
-        round sees), ``ring_write`` the write round's verify (all ``rounds`` rounds folded in and written),
-        ``ring_end`` the round's table update (once per round for every layer, shown per layer over ``layers``),
-        and ``round_ring`` one layer's round over a cycle: ``((R - 1) read + write) / R + end / layers``. The read
-        rounds run ``read_launch`` (default the verify's), the write round ``write_launch`` (the ring write's)."""
+        tokens). A cycle is a write round (all ``rounds`` rounds folded in and written: ``ring_write``) and ``R - 1``
+        read rounds, the ``h``-th holding ``h`` rounds, each reading the table entries those can fill
+        (`PendingRing.round_width`): each distinct width is timed once, with the most rounds it holds. ``ring_read``
+        is the fullest read round (``R - 1`` rounds held), ``ring_reads`` the cycle's read rounds on average,
+        ``ring_end`` the round's table update (once per round for every layer, shown per layer over ``layers``), and
+        ``round_ring`` one layer's round over a cycle: ``(sum of the read rounds + write) / R + end / layers``. The
+        read rounds run ``read_launch`` (default the verify's), the write round ``write_launch`` (the ring write's)."""
         tree, pool, inputs, slots = self.sets(64)
         accepted = self.deepest(tree)
         read_launch, write_launch = read_launch or self.launch(), write_launch or self.launch(ring=True)
+        probe = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, self.case.batch, "cpu")
+        fullest = {}  # width -> the most rounds a read round of the cycle holds at it
+        for held in range(1, rounds):
+            width = probe.round_width(held)
+            fullest[width] = max(fullest.get(width, 0), held)
+        reads, end = {}, None
+        for width, held in sorted(fullest.items()):
+            rings = self._rings(rounds, read_launch, write_launch, held)
+            reads[held] = time_launches(lambda i: self._ring_verify(rings, i, read_launch), len(inputs), self.device,
+                                        repeats=repeats)
         rings = self._rings(rounds, read_launch, write_launch, rounds - 1)
-        read = time_launches(lambda i: self._ring_verify(rings, i, read_launch), len(inputs), self.device,
-                             repeats=repeats)
         steps = [ring.begin(tree) for ring, _ in rings]
         end = time_launches(lambda i: rings[i][0].end(steps[i], slots[i], accepted, validate=False), len(inputs),
                             self.device, repeats=repeats)
@@ -325,15 +335,27 @@ class CaseBench:
             ring.held, ring.rounds_begun = rounds, step.position + 1
         write = time_launches(lambda i: self._ring_verify(rings, i, write_launch), len(inputs), self.device,
                               repeats=repeats)
+        # each read round of the cycle at its width's timing
+        cycle_reads = [reads[fullest[probe.round_width(held)]] for held in range(1, rounds)]
 
-        def cycle(a: float, b: float, e: float) -> float:
-            return ((rounds - 1) * a + b) / rounds + e / layers
+        def mean(field: str, timings: list) -> float:
+            return sum(getattr(t, field) for t in timings) / len(timings) if timings else 0.0
 
-        method = (f"{read.method}; R={rounds}: ((R - 1) read round + write round) / R + the round's table update / "
-                  f"{layers} layers")
-        return {"ring_read": read, "ring_write": write, "ring_end": end,
-                "round_ring": Timing(cycle(read.p20_us, write.p20_us, end.p20_us), cycle(read.p50_us, write.p50_us, end.p50_us),
-                                     cycle(read.p80_us, write.p80_us, end.p80_us), method=method, samples=read.samples)}
+        def cycle(field: str) -> float:
+            return (sum(getattr(t, field) for t in cycle_reads) + getattr(write, field)) / rounds + getattr(end, field) / layers
+
+        widths = ", ".join(f"{probe.round_width(h)} entries with {h} held" for h in range(1, rounds)) or "none"
+        method = (f"{write.method}; R={rounds}: (the R - 1 read rounds ({widths}) + the write round) / R + the round's "
+                  f"table update / {layers} layers")
+        timings = {"ring_write": write, "ring_end": end,
+                   "round_ring": Timing(cycle("p20_us"), cycle("p50_us"), cycle("p80_us"), method=method,
+                                        samples=write.samples)}
+        if cycle_reads:
+            timings["ring_read"] = reads[rounds - 1]
+            timings["ring_reads"] = Timing(mean("p20_us", cycle_reads), mean("p50_us", cycle_reads),
+                                           mean("p80_us", cycle_reads), method=f"the mean of the cycle's read rounds "
+                                           f"({widths})", samples=write.samples)
+        return timings
 
     def time_rounds(self, layers: int, repeats: int = 50, ring_rounds: int = RING_ROUNDS) -> dict[str, Timing]:
         """What one GDN layer's round costs, each timed the same way (one CUDA graph over the rotating sets):
@@ -433,7 +455,8 @@ def bench_rounds(case: BenchCase, layers: int, device="cuda", repeats: int = 50,
     rows = []
     for kernel, timing in bench.time_rounds(layers, repeats, ring_rounds).items():
         row = _row(kernel, case, timing, device)
-        floor = {"tree_commit_layers": 2 * case.state_bytes(), "ring_read": case.floor_bytes(), "ring_end": 0,
+        floor = {"tree_commit_layers": 2 * case.state_bytes(), "ring_read": case.floor_bytes(),
+                 "ring_reads": case.floor_bytes(), "ring_end": 0,
                  "round_ring": case.floor_bytes() + case.state_bytes() / ring_rounds}.get(
             kernel, case.floor_bytes() + case.state_bytes())
         row["floor_us"] = round(floor / COPY_BANDWIDTH_H200 * 1e6, 2)

@@ -199,10 +199,16 @@ def test_gluon_takes_only_what_it_was_built_for():
     assert not takes(k=aligned[:, 2049:4097].view(64, 16, 128))  # an odd element offset
     assert not takes(launch=launch.replace(config=KernelConfig(128, 32, 4, 2, gluon=1)))  # tiles it does not take
     tree = make_tree([8], device="cpu")
-    for rounds, expected in ((3, True), (4, False)):  # 9-node paths: R = 3 -> width 32, R = 4 -> 64
+    # 9-node paths: R = 3 -> tables 32 wide, R = 4 -> 64; a round reads what its held rounds fill (16 or 32 entries
+    # while at most 3 rounds are held), so a ring of four runs its read rounds here and its write round on Triton's
+    for rounds, widths, write_here in ((3, [16, 16, 32, 32], True), (4, [16, 16, 32, 32, 64], False)):
         ring = PendingRing(4, rounds, 9, capacity=64, max_requests=4, device="cpu")
-        read = ring.begin(tree).layer(ring.results(HEADS_9B, BF16))
-        assert takes(ring=read) is expected
+        arena = ring.results(HEADS_9B, BF16)
+        for held, width in enumerate(widths):
+            ring.held = held
+            step = ring.begin(tree)
+            assert (step.width, step.write) == (width, held == rounds)
+            assert takes(ring=step.layer(arena)) is (write_here or not step.write), (rounds, held)
     ring = PendingRing(4, 3, 9, capacity=64, max_requests=4, device="cpu")
     write = RingRead(RingRound(ring, tree, 0, True), ring.results(HEADS_9B, BF16))  # a write round
     assert takes(ring=write)

@@ -195,6 +195,40 @@ def test_ring_rounds_write_every_r_rounds(device, path, monkeypatch):
     assert ring.rows[1].tolist()[:4] == [2 * 16 + r for r in range(4)]
 
 
+@pytest.mark.parametrize("variant", ["stream", "fused"])
+def test_a_round_reads_only_the_entries_its_pending_rounds_fill(device, variant):
+    """A round reads `PendingRing.round_width` entries of each table row (16 for up to 16 pending tokens, then 32):
+    with every request accepting its deepest node the tables fill exactly to that width (R = 3 of 8-node paths: 8,
+    then 16 tokens in 16 entries of a 32-wide row), and every round's outputs, the written slots and the flushed pool
+    still match the float64 recurrence."""
+    ring = PendingRing(NUM_SLOTS, 3, 8, capacity=32, max_requests=4, device=device)
+    assert ring.width == 32
+    arena = ring.results(HEADS, F32)
+    pool = make_inputs(make_tree([1], device=device), HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, F32, device,
+                       num_slots=NUM_SLOTS, seed=5).state
+    truth = pool.clone()
+    slots = torch.tensor([6, 2], dtype=torch.int32, device=device)
+    plan = []
+    for index in range(7):
+        tree = make_tree([8, 8], "chain", device=device)
+        x = make_inputs(tree, HEADS.hk, HEADS.hv, HEADS.dk, HEADS.dv, F32, device, seed=40 + index)
+        step = ring.begin(tree)
+        plan.append((step.width, step.write, int(ring.count[slots.long()].max())))
+        res = tree_verify(x.q, x.k, x.v, x.g, x.beta, pool, slots, tree, variant=variant, ring=step.layer(arena))
+        ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, truth, slots, tree)
+        assert_close(res.o, ref.o, TOLERANCE[F32], f"round {index} (width {step.width}) outputs")
+        if step.write:
+            assert_close(pool[slots.long()], truth[slots.long()], TOLERANCE[F32], f"round {index}: the written slots")
+        accepted = torch.tensor([7, 7], device=device)
+        truth = ref.committed(truth, slots, tree, accepted).float()
+        ring.end(step, slots, accepted, validate=True)
+    # (entries read, writes, tokens pending): the second read round's 16 tokens fill its 16 entries
+    assert plan == [(16, False, 0), (16, False, 8), (16, False, 16), (32, True, 24), (16, False, 8), (16, False, 16),
+                    (32, True, 24)]
+    ring.flush(slots, [pool], [arena])
+    assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
+
+
 def test_ring_mistakes_are_refused(device):
     ring = PendingRing(NUM_SLOTS, 2, 4, capacity=16, max_requests=2, device=device)
     arena = ring.results(HEADS, F32)

@@ -225,16 +225,18 @@ def fold_apply(b_s, b_upw, rows_p, m_p, decay_p, o_k, i_hk, k_ptr, H_K, D_K: tl.
 
 
 @triton.jit
-def ring_tokens(slot, i_h, i_hk, rows_ptr, last_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_P: tl.constexpr):
+def ring_tokens(slot, i_h, i_hk, rows_ptr, last_ptr, logp_ptr, k_scale_ptr, H_V, H_K, row_length,
+                B_P: tl.constexpr):
     """The pending tokens of a `PendingRing` slot (docs/math.md §4, "A ring of pending rounds"): ``rows_ptr`` the
-    ring's ``[num_slots, B_P]`` table of arena rows (-1: empty), ``last_ptr`` its flags (1 on each round's accepted
-    node), in the order the rounds were accepted. A token ``j`` of round ``rho`` decays by its own path
+    ring's ``[num_slots, row_length]`` table of arena rows (-1: empty), ``last_ptr`` its flags (1 on each round's
+    accepted node), in the order the rounds were accepted; the first ``B_P`` entries of the slot's row are read (a
+    round's `RingRound.width`: its pending rounds fill no more). A token ``j`` of round ``rho`` decays by its own path
     (``logP_a(rho) - logP_j``) and by every later round's accepted ``logP``: with ``t`` the accepted nodes' ``logP``
     (0 elsewhere), ``L - L_j = sum_{i >= j} t_i - logP_j``. Returns (rows, mask, weights ``exp(L - L_j) * k_scale_j``,
     decay ``exp(L)``, pending: the slot holds a token)."""
     o_p = tl.arange(0, B_P)
-    rows = tl.load(rows_ptr + slot * B_P + o_p).to(tl.int64)
-    last = tl.load(last_ptr + slot * B_P + o_p)
+    rows = tl.load(rows_ptr + slot * row_length + o_p).to(tl.int64)
+    last = tl.load(last_ptr + slot * row_length + o_p)
     m_p = rows >= 0
     rows = tl.where(m_p, rows, 0)
     logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
@@ -248,15 +250,16 @@ def ring_tokens(slot, i_h, i_hk, rows_ptr, last_ptr, logp_ptr, k_scale_ptr, H_V,
 
 @triton.jit
 def pending_tokens(RING: tl.constexpr, i_r, slot, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, committed_ptr,
-                   epoch, H_V, H_K, B_P: tl.constexpr):
+                   fold_word, H_V, H_K, B_P: tl.constexpr):
     """The tokens a launch folds in or corrects for (both kernels' ``FOLD``): a `PendingRing` slot's (``RING``:
-    `ring_tokens`, ``map_ptr`` its row table and ``rows_ptr`` its flags) or the previous round's accepted path of
-    request ``i_r`` (`pending_path`). Returns (rows, mask, weights, decay, pending)."""
+    `ring_tokens`, ``map_ptr`` its row table and ``rows_ptr`` its flags, ``fold_word`` the table's row length) or the
+    previous round's accepted path of request ``i_r`` (`pending_path`, ``fold_word`` the commit's epoch). Returns
+    (rows, mask, weights, decay, pending)."""
     if RING:
-        return ring_tokens(slot, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_P)
+        return ring_tokens(slot, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, H_V, H_K, fold_word, B_P)
     else:
-        return pending_path(i_r, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, committed_ptr, epoch, H_V, H_K,
-                            B_P)
+        return pending_path(i_r, i_h, i_hk, map_ptr, rows_ptr, logp_ptr, k_scale_ptr, committed_ptr, fold_word, H_V,
+                            H_K, B_P)
 
 
 @triton.jit

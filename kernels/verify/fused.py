@@ -29,7 +29,7 @@ from .blocks import (ancestry, floored, fold_apply, fold_updates, norm_scales, p
 
 # head counts and the block table's width vary per model and batch without changing the code:
 # leaving them unspecialised lets one compiled kernel serve every model with the same head sizes
-@triton.jit(do_not_specialize=["max_blocks", "H_V", "H_K", "epoch"])
+@triton.jit(do_not_specialize=["max_blocks", "H_V", "H_K", "fold_word"])
 def tree_verify_fused_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
@@ -38,8 +38,10 @@ def tree_verify_fused_kernel(
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`); with RING the
-    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`)
-    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`);
+    # fold_word: the commit's epoch, or the ring table's row length
+    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr,
+    fold_word,
     # scalars and strides
     scale, max_blocks, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -67,7 +69,7 @@ def tree_verify_fused_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_tokens(
             RING, i_r, slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
-            epoch, H_V, H_K, B_P)
+            fold_word, H_V, H_K, B_P)
         if not CORRECT:
             b_upw = fold_updates(rows_p, m_p, weight_p, o_v, i_h, fold_u_ptr, H_V, D_V)
 

@@ -74,8 +74,9 @@ its first version was written and measured with (BENCHMARKS.md, "Twenty-third se
 HEAD_DIMS = (128, 128)
 """``(dk, dv)`` this path was measured and checked on (Qwen3.5 / Qwen3-Next GDN heads)."""
 MAX_RING_WIDTH = 32
-"""The widest `PendingRing` table the Gluon read and write rounds take (R = 3 rounds of 9-node paths). A write round
-at width 32 holds 110,592 B of shared memory, two programs an SM; wider tables run the Triton kernels."""
+"""The most table entries a `PendingRing` round may read (`RingRound.width`) and run on the Gluon verify (R = 3 rounds
+of 9-node paths). A write round at width 32 holds 110,592 B of shared memory, two programs an SM; wider rounds run
+the Triton kernels (a ring of four rounds of 9-node paths: its write round, its read rounds reading 16-32)."""
 MODES = {"verify": 0, "read": 1, "write": 2}
 L2_AHEAD_PER_SM = {"verify": 3, "read": 0, "write": 0}
 """How far ahead, in programs per multiprocessor, each program of a mode requests a later program's inputs into L2
@@ -140,7 +141,7 @@ if gluon is not None:
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
         offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, block_depth_ptr,
         o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr, s_desc,
-        ring_rows_ptr, ring_last_ptr, ring_u_ptr, ring_k_ptr, ring_k_scale_ptr, ring_logp_ptr,
+        ring_rows_ptr, ring_last_ptr, ring_u_ptr, ring_k_ptr, ring_k_scale_ptr, ring_logp_ptr, ring_row,
         scale, H_V, H_K,
         stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
         stride_g_n, stride_g_h, stride_beta_n, stride_beta_h,
@@ -200,8 +201,9 @@ if gluon is not None:
             async_copy.async_copy_global_to_shared(k_smem.index(c), p_k + o_t[:, None] * stride_k_n + o_k[None, :],
                                                    mask=m_t[:, None])
         if RING or FOLD:
-            # the slot's pending tokens' raw keys join the first group (the B operand of their products)
-            p_table = ring_rows_ptr + slot * B_P
+            # the slot's pending tokens' raw keys join the first group (the B operand of their products): the first
+            # B_P entries of its table row (ring_row long)
+            p_table = ring_rows_ptr + slot * ring_row
             rows_p, m_p = table_rows(p_table, B_P, gl.SliceLayout(1, LD_KP))
             kp_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [NK, B_P, B_K], KP_SHARED)
             for c in gl.static_range(NK):
@@ -269,7 +271,7 @@ if gluon is not None:
         if RING or FOLD:
             # what the tokens' weights are worked out from, requested now (the table's rows arrived for the keys'
             # copies: nothing waits here) and used after the factors, their latency behind the solve
-            w_loads = ring_loads(p_table, ring_last_ptr + slot * B_P, ring_logp_ptr, ring_k_scale_ptr, i_h, i_hk,
+            w_loads = ring_loads(p_table, ring_last_ptr + slot * ring_row, ring_logp_ptr, ring_k_scale_ptr, i_h, i_hk,
                                  H_V, H_K, B_P, LD_W)
         r_q_i = scale / gl.sqrt(gl.convert_layout(ssq_q, ROW) + 1e-6)
         r_k_i = 1.0 / gl.sqrt(gl.convert_layout(ssq_k, ROW) + 1e-6)
@@ -631,11 +633,12 @@ def launch_args(q, k, v, g, beta, state, state_indices, tree, shape, res, config
     block_depth, _ = tree.block_depths(B_T)
     if ring is None:
         mode, b_p = MODES["verify"], 16
-        tables = (res.committed, res.committed, res.u, res.k, res.k_scale, res.log_decay)  # never read
+        tables = (res.committed, res.committed, res.u, res.k, res.k_scale, res.log_decay, 16)  # never read
     else:
         table, arena = ring.step.ring, ring.results
-        mode, b_p = MODES["write" if ring.step.write else "read"], table.width
-        tables = (table.rows, table.last, arena.u, arena.k, arena.k_scale, arena.log_decay)
+        # the round's first `RingRound.width` entries of each table row
+        mode, b_p = MODES["write" if ring.step.write else "read"], ring.step.width
+        tables = (table.rows, table.last, arena.u, arena.k, arena.k_scale, arena.log_decay, table.width)
     sq, sk, sv, sg, sb, ss = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), state.stride()
     args = (q, k, v, g, beta, state, state_indices, tree.offsets, tree.dfs_enter, tree.dfs_exit, block_depth,
             res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed, _pool_descriptor(state, b_k, b_v), *tables,
@@ -729,7 +732,7 @@ def gluon_takes(launch, q, k, v, state, shape, ring=None, pending=None) -> bool:
     mode takes (`tile_refusal`). q, k and v come with their last stride 1 (`run_launch`)."""
     if not launch.gluon or pending is not None:
         return False
-    if ring is not None and ring.step.ring.width > MAX_RING_WIDTH:
+    if ring is not None and ring.step.width > MAX_RING_WIDTH:
         return False
     if tile_refusal(launch.config, "verify" if ring is None else "write" if ring.step.write else "read"):
         return False

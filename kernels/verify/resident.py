@@ -47,7 +47,7 @@ RESIDENT_MAX_NODES = 64
 """The largest tree the resident kernel takes: its node block is the whole tree."""
 
 
-@triton.jit(do_not_specialize=["H_V", "H_K", "epoch"])
+@triton.jit(do_not_specialize=["H_V", "H_K", "fold_word"])
 def tree_verify_resident_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_indices_ptr,
@@ -56,8 +56,10 @@ def tree_verify_resident_kernel(
     # outputs
     o_ptr, u_ptr, logp_ptr, k_out_ptr, k_scale_ptr, committed_ptr,
     # the previous round's accepted paths, committed into S_pre first (FOLD; `blocks.pending_path`); with RING the
-    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`)
-    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr, epoch,
+    # pending tokens of a `PendingRing` (map: its row table, rows: its flags, the rest its arena; `blocks.ring_tokens`);
+    # fold_word: the commit's epoch, or the ring table's row length
+    fold_map_ptr, fold_rows_ptr, fold_u_ptr, fold_logp_ptr, fold_k_ptr, fold_k_scale_ptr, fold_committed_ptr,
+    fold_word,
     # scalars and strides
     scale, H_V, H_K,
     stride_q_n, stride_q_h, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
@@ -104,7 +106,7 @@ def tree_verify_resident_kernel(
     if FOLD:
         rows_p, m_p, weight_p, decay_p, pending = pending_tokens(
             RING, i_r, slot, i_h, i_hk, fold_map_ptr, fold_rows_ptr, fold_logp_ptr, fold_k_scale_ptr, fold_committed_ptr,
-            epoch, H_V, H_K, B_P)
+            fold_word, H_V, H_K, B_P)
     b_qk = tl.zeros([B_T, B_T], dtype=tl.float32)
     b_kk = tl.zeros([B_T, B_T], dtype=tl.float32)
     ssq_q = tl.zeros([B_T], dtype=tl.float32)

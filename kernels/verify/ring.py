@@ -162,6 +162,13 @@ class PendingRing:
         rounded up to a power of two, at least 16."""
         return max(16, 1 << (rounds * max_path - 1).bit_length())
 
+    def round_width(self, held: int) -> int:
+        """The entries of each slot's table a round reads with ``held`` rounds pending: `table_width` of those rounds,
+        at most the table's. A slot's tokens are packed from its first entry (a write round empties the table) and a
+        round adds at most ``max_path``, so the rest are empty: a ring's first read rounds after a write read fewer
+        columns (R = 3 of 9-node paths: 16 of 32 in the first), and their corrections cost less."""
+        return min(self.width, self.table_width(max(held, 1), self.max_path))
+
     def results(self, heads: HeadShape, dtype: torch.dtype) -> RingResults:
         """Empty `RingResults` for one GDN layer of these heads (verify outputs in ``dtype``)."""
         p, n, h, f32, dev = self.rounds + 1, self.capacity, heads, torch.float32, self.device
@@ -199,7 +206,7 @@ class PendingRing:
         if tree.device != self.device:
             raise ValueError(f"tree: on device {tree.device} but the ring is on {self.device}")
         return RingRound(self, tree, self.rounds_begun % (self.rounds + 1),
-                         self.held >= self.rounds if write is None else write)
+                         self.held >= self.rounds if write is None else write, self.round_width(self.held))
 
     def end(self, step: "RingRound", state_indices: torch.Tensor, accepted: torch.Tensor,
             validate: bool | None = None) -> None:
@@ -314,13 +321,19 @@ def ring_states(state, slots, ring: PendingRing, res: RingResults) -> torch.Tens
 
 @dataclass(frozen=True)
 class RingRound:
-    """One round of a `PendingRing` (`PendingRing.begin`): its trees, the arena position its verifies write, and
-    whether they write the pending tokens into the state (``write``) or read through them."""
+    """One round of a `PendingRing` (`PendingRing.begin`): its trees, the arena position its verifies write,
+    whether they write the pending tokens into the state (``write``) or read through them, and how many of each slot's
+    table entries they read (``width``, `PendingRing.round_width`; 0: all of them)."""
 
     ring: PendingRing
     tree: TreeBatch
     position: int
     write: bool
+    width: int = 0
+
+    def __post_init__(self):
+        if not self.width:
+            object.__setattr__(self, "width", self.ring.width)
 
     def layer(self, results: RingResults) -> "RingRead":
         """What one layer's `tree_verify(..., ring=...)` takes: this round with that layer's arena."""

@@ -131,8 +131,9 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
     correct = False
     if ring is not None:  # the ring's tables and this layer's arena take the fold's arguments (`blocks.ring_tokens`)
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
-        fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, 0)
-        width = table.width
+        # the table's rows whole (their length), the round's first `RingRound.width` entries read
+        fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, table.width)
+        width = ring.step.width
         fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
         fold_key = ("ring", correct, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
         tensors += fold[:7]
