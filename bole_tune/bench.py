@@ -23,6 +23,7 @@ from bole_tune.kernels import (PLANNER, LayerResults, Launch, PendingCommit, Pen
                                tree_commit, tree_commit_layers, tree_verify)
 from bole_tune.kernels.reference import commit_closed_form, verify_reference
 from bole_tune.kernels.verify.gluon import gluon_ring_rounds
+from bole_tune.kernels.verify.run import ring_columns
 from bole_tune.kernels.verify.self_check import accepted_error
 from bole_tune.shapes import HeadShape, dtype_name
 from bole_tune.timing import Timing, l2_cache_bytes, rotation_count, time_eager_host, time_launches
@@ -318,12 +319,15 @@ class CaseBench:
         accepted = self.deepest(tree)
         read_launch, write_launch = read_launch or self.launch(), write_launch or self.launch(ring=True)
         probe = PendingRing(pool.shape[0], rounds, tree.depth + 1, tree.num_nodes, self.case.batch, "cpu")
+
+        def width(held: int) -> int:  # the entries a read round holding ``held`` rounds reads on the read launch
+            return ring_columns(read_launch, probe.round_width(held), probe.width)
+
         fullest = {}  # width -> the most rounds a read round of the cycle holds at it
         for held in range(1, rounds):
-            width = probe.round_width(held)
-            fullest[width] = max(fullest.get(width, 0), held)
+            fullest[width(held)] = max(fullest.get(width(held), 0), held)
         reads, end = {}, None
-        for width, held in sorted(fullest.items()):
+        for held in sorted(fullest.values()):
             rings = self._rings(rounds, read_launch, write_launch, held)
             reads[held] = time_launches(lambda i: self._ring_verify(rings, i, read_launch), len(inputs), self.device,
                                         repeats=repeats)
@@ -336,7 +340,7 @@ class CaseBench:
         write = time_launches(lambda i: self._ring_verify(rings, i, write_launch), len(inputs), self.device,
                               repeats=repeats)
         # each read round of the cycle at its width's timing
-        cycle_reads = [reads[fullest[probe.round_width(held)]] for held in range(1, rounds)]
+        cycle_reads = [reads[fullest[width(held)]] for held in range(1, rounds)]
 
         def mean(field: str, timings: list) -> float:
             return sum(getattr(t, field) for t in timings) / len(timings) if timings else 0.0
@@ -344,7 +348,7 @@ class CaseBench:
         def cycle(field: str) -> float:
             return (sum(getattr(t, field) for t in cycle_reads) + getattr(write, field)) / rounds + getattr(end, field) / layers
 
-        widths = ", ".join(f"{probe.round_width(h)} entries with {h} held" for h in range(1, rounds)) or "none"
+        widths = ", ".join(f"{width(h)} entries with {h} held" for h in range(1, rounds)) or "none"
         method = (f"{write.method}; R={rounds}: (the R - 1 read rounds ({widths}) + the write round) / R + the round's "
                   f"table update / {layers} layers")
         timings = {"ring_write": write, "ring_end": end,

@@ -229,6 +229,18 @@ def test_a_round_reads_only_the_entries_its_pending_rounds_fill(device, variant)
     assert_close(pool, truth, TOLERANCE[F32], "pool after the final flush")
 
 
+def test_which_kernels_read_a_rounds_own_width():
+    """The resident kernel (and the Gluon verify, a resident launch) and the fused kernel with blocks of at most
+    `RING_NARROW_FUSED_BLOCK` rows read the round's entries; the fused kernel with larger blocks reads whole rows."""
+    from bole_tune.kernels import Launch
+    from bole_tune.kernels.verify.run import RING_NARROW_FUSED_BLOCK, ring_columns
+
+    config = KernelConfig(32, 64, 4, 2)
+    for variant, block, expected in (("resident", 64, 16), ("stream", 16, 16), ("fused", RING_NARROW_FUSED_BLOCK, 16),
+                                     ("fused", 2 * RING_NARROW_FUSED_BLOCK, 32)):
+        assert ring_columns(Launch(variant, config, block), 16, 32) == expected, (variant, block)
+
+
 def test_ring_mistakes_are_refused(device):
     ring = PendingRing(NUM_SLOTS, 2, 4, capacity=16, max_requests=2, device=device)
     arena = ring.results(HEADS, F32)

@@ -78,6 +78,25 @@ against 39.5 us at the best tiles of each, B=32 8-node chains 74.0 against 79.5;
 
 _NO_FOLD = (None,) * 7 + (0,)
 
+RING_NARROW_FUSED_BLOCK = 32
+"""A ring round reads only the table entries its held rounds can fill (`RingRound.width`: 16 of a 32-wide table in the
+first read round of a ring of three rounds of 9-node paths) on the resident kernel (the Gluon verify's too) and on
+the fused kernel with node blocks of at most this many rows; the fused kernel with larger blocks reads whole rows.
+Measured on the H200 (`bole-tune bench --model qwen3.5-9b`, 9B bf16, trees of depth <= 8, rings of 3-4 rounds; each
+16-entry read round worked out from the cycle's mean read and its fullest, 32-entry one; BENCHMARKS.md "Twenty-ninth
+session"): B=16 64-node trees (the Gluon verify) 55.2 against 56.8 us, B=16 16-node trees (resident) 17.5 against
+21.7; the fused kernel with 16- and 32-row blocks (B=4 16- and 32-node trees) 11.5 against 14.9 and 19.9 against
+21.2; with 64-row blocks the same or slower (B=1 64-node trees 20.6 either way, B=4 64-node trees 39.6 against 36.9,
+B=16 128-node trees 299.5 against 279.9)."""
+
+
+def ring_columns(launch: Launch, step_width: int, table_width: int) -> int:
+    """The table entries a ring round of ``launch`` reads (its kernel's ``B_P``): the round's own width
+    (`RING_NARROW_FUSED_BLOCK`), or the table's."""
+    if launch.variant != "fused" or launch.node_block <= RING_NARROW_FUSED_BLOCK:
+        return step_width
+    return table_width
+
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
                res: TreeVerifyResult, use_qk_l2norm: bool, pending: PendingCommit | None = None,
@@ -133,7 +152,7 @@ def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: Tre
         table, arena, correct = ring.step.ring, ring.results, not ring.step.write
         # the table's rows whole (their length), the round's first `RingRound.width` entries read
         fold = (table.rows, table.last, arena.u, arena.log_decay, arena.k, arena.k_scale, table.count, table.width)
-        width = ring.step.width
+        width = ring_columns(launch, ring.step.width, table.width)
         fold_dot = (CORRECT_DOT_PRECISION or dot_precision(q.dtype)) if correct else FOLD_DOT_PRECISION
         fold_key = ("ring", correct, arena.k.dtype, width, fold_dot, CORRECT_BEFORE_STREAM)
         tensors += fold[:7]
