@@ -231,14 +231,16 @@ def test_a_round_reads_only_the_entries_its_pending_rounds_fill(device, variant)
 
 def test_which_kernels_read_a_rounds_own_width():
     """The resident kernel (and the Gluon verify, a resident launch) and the fused kernel with blocks of at most
-    `RING_NARROW_FUSED_BLOCK` rows read the round's entries; the fused kernel with larger blocks reads whole rows."""
+    `RING_NARROW_FUSED_BLOCK` rows read the round's entries; the fused kernel with larger blocks reads at least
+    `RING_FUSED_MIN_COLUMNS`, never more than the table's."""
     from bole_tune.kernels import Launch
-    from bole_tune.kernels.verify.run import RING_NARROW_FUSED_BLOCK, ring_columns
+    from bole_tune.kernels.verify.run import RING_FUSED_MIN_COLUMNS, RING_NARROW_FUSED_BLOCK, ring_columns
 
-    config = KernelConfig(32, 64, 4, 2)
-    for variant, block, expected in (("resident", 64, 16), ("stream", 16, 16), ("fused", RING_NARROW_FUSED_BLOCK, 16),
-                                     ("fused", 2 * RING_NARROW_FUSED_BLOCK, 32)):
-        assert ring_columns(Launch(variant, config, block), 16, 32) == expected, (variant, block)
+    config, big = KernelConfig(32, 64, 4, 2), 2 * RING_NARROW_FUSED_BLOCK
+    for variant, block, step, table, expected in (
+            ("resident", 64, 16, 32, 16), ("stream", 16, 16, 64, 16), ("fused", RING_NARROW_FUSED_BLOCK, 16, 32, 16),
+            ("fused", big, 16, 64, RING_FUSED_MIN_COLUMNS), ("fused", big, 16, 16, 16), ("fused", big, 64, 64, 64)):
+        assert ring_columns(Launch(variant, config, block), step, table) == expected, (variant, block, step, table)
 
 
 def test_ring_mistakes_are_refused(device):

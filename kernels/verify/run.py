@@ -80,22 +80,25 @@ _NO_FOLD = (None,) * 7 + (0,)
 
 RING_NARROW_FUSED_BLOCK = 32
 """A ring round reads only the table entries its held rounds can fill (`RingRound.width`: 16 of a 32-wide table in the
-first read round of a ring of three rounds of 9-node paths) on the resident kernel (the Gluon verify's too) and on
-the fused kernel with node blocks of at most this many rows; the fused kernel with larger blocks reads whole rows.
-Measured on the H200 (`bole-tune bench --model qwen3.5-9b`, 9B bf16, trees of depth <= 8, rings of 3-4 rounds; each
-16-entry read round worked out from the cycle's mean read and its fullest, 32-entry one; BENCHMARKS.md "Twenty-ninth
-session"): B=16 64-node trees (the Gluon verify) 55.2 against 56.8 us, B=16 16-node trees (resident) 17.5 against
-21.7; the fused kernel with 16- and 32-row blocks (B=4 16- and 32-node trees) 11.5 against 14.9 and 19.9 against
-21.2; with 64-row blocks the same or slower (B=1 64-node trees 20.6 either way, B=4 64-node trees 39.6 against 36.9,
-B=16 128-node trees 299.5 against 279.9)."""
+first read round of a ring of three rounds of 9-node paths, 32 of 64 in a ring of four's third) on the resident kernel
+(the Gluon verify's too) and on the fused kernel with node blocks of at most this many rows; with larger blocks the
+fused kernel reads at least `RING_FUSED_MIN_COLUMNS`. Measured on the H200 (`bole-tune bench --model qwen3.5-9b`, 9B
+bf16, trees of depth <= 8, rings of 3-4 rounds; BENCHMARKS.md "Twenty-ninth session"): a 16-entry read round against
+a 32-entry one (worked out from the cycle's mean read and its fullest), B=16 64-node trees (the Gluon verify) 55.2
+against 56.8 us, B=16 16-node trees (resident) 17.5 against 21.7, the fused kernel with 16- and 32-row blocks (B=4
+16- and 32-node trees) 11.5 against 14.9 and 19.9 against 21.2; with 64-row blocks the same or slower (B=1 64-node
+trees 20.6 either way, B=4 64-node trees 39.6 against 36.9, B=16 128-node trees 299.5 against 279.9), and 64 entries
+far slower than 32 (B=16 128-node trees 364.0 against 279.9, B=4 64-node trees 46.7 against 36.9)."""
+RING_FUSED_MIN_COLUMNS = 32
+"""The fewest table entries the fused kernel with blocks of more than `RING_NARROW_FUSED_BLOCK` rows reads."""
 
 
 def ring_columns(launch: Launch, step_width: int, table_width: int) -> int:
-    """The table entries a ring round of ``launch`` reads (its kernel's ``B_P``): the round's own width
-    (`RING_NARROW_FUSED_BLOCK`), or the table's."""
+    """The table entries a ring round of ``launch`` reads (its kernel's ``B_P``): the round's own width, at least
+    `RING_FUSED_MIN_COLUMNS` on the fused kernel's large blocks (`RING_NARROW_FUSED_BLOCK`), at most the table's."""
     if launch.variant != "fused" or launch.node_block <= RING_NARROW_FUSED_BLOCK:
         return step_width
-    return table_width
+    return min(table_width, max(step_width, RING_FUSED_MIN_COLUMNS))
 
 
 def run_launch(launch: Launch, q, k, v, g, beta, state, state_indices, tree: TreeBatch, shape: VerifyShape,
