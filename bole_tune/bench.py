@@ -326,7 +326,7 @@ class CaseBench:
         fullest = {}  # width -> the most rounds a read round of the cycle holds at it
         for held in range(1, rounds):
             fullest[width(held)] = max(fullest.get(width(held), 0), held)
-        reads, end = {}, None
+        reads = {}
         for held in sorted(fullest.values()):
             rings = self._rings(rounds, read_launch, write_launch, held)
             reads[held] = time_launches(lambda i: self._ring_verify(rings, i, read_launch), len(inputs), self.device,
@@ -343,7 +343,7 @@ class CaseBench:
         cycle_reads = [reads[fullest[width(held)]] for held in range(1, rounds)]
 
         def mean(field: str, timings: list) -> float:
-            return sum(getattr(t, field) for t in timings) / len(timings) if timings else 0.0
+            return sum(getattr(t, field) for t in timings) / len(timings)
 
         def cycle(field: str) -> float:
             return (sum(getattr(t, field) for t in cycle_reads) + getattr(write, field)) / rounds + getattr(end, field) / layers
