@@ -111,27 +111,12 @@ def load_instrumented():
 
 
 def compile_only(stamped) -> None:
-    """Each mode of the stamped kernel compiled for sm_90 on the CPU (four 64-node trees, `gluon.UNTUNED_CONFIG`),
-    its registers and shared memory printed beside the shipped kernel's (`gluon.compile_report`)."""
-    from bole_tune.binaries import binary_report
-    from bole_tune.kernels.verify.result import VerifyShape, result_buffers
-    from bole_tune.kernels.verify.ring import PendingRing, RingRead, RingRound
-    from bole_tune.workloads import make_inputs, make_tree
-
+    """Each mode of the stamped kernel compiled for sm_90 on the CPU (`gluon.compile_report`, with the stamps'
+    buffer), its registers and shared memory printed beside the shipped kernel's."""
     shipped = gluon.compile_report(32)
-    tree = make_tree([gluon.B_T] * 4, "random", max_depth=8, seed=1, device="cpu")
-    h = HEADS_9B
-    x = make_inputs(tree, h.hk, h.hv, h.dk, h.dv, torch.bfloat16, "cpu", seed=1)
-    shape = VerifyShape(h, tree.num_nodes, 4, x.state.shape[0], h.dk ** -0.5)
-    res = result_buffers(shape, torch.bfloat16, "cpu", tree, None)
-    ring = PendingRing(x.state.shape[0], 1, 32, capacity=tree.num_nodes, max_requests=4, device="cpu")
-    arena = ring.results(h, torch.bfloat16)
-    for mode, write in (("verify", None), ("read", False), ("write", True)):
-        rr = None if write is None else RingRead(RingRound(ring, tree, 0, write), arena)
-        _, a, meta = gluon.launch_args(*x.args(tree)[:7], tree, shape, res, gluon.UNTUNED_CONFIG, rr)
-        report = binary_report(gluon.compile_sm90(a + (torch.zeros(1, dtype=torch.int64),), meta,
-                                                  fn=stamped.gluon_verify_kernel))
-        print(f"{mode}: stamped {report['registers']} registers, {report['shared']} B shared; shipped "
+    report = gluon.compile_report(32, fn=stamped.gluon_verify_kernel, extra_args=(torch.zeros(1, dtype=torch.int64),))
+    for mode, r in report.items():
+        print(f"{mode}: stamped {r['registers']} registers, {r['shared']} B shared; shipped "
               f"{shipped[mode]['registers']}, {shipped[mode]['shared']} B")
 
 

@@ -242,29 +242,15 @@ def check_levels() -> int:
 
 
 def compile_only(variants: dict) -> None:
-    from bole_tune.binaries import binary_report
+    """Each variant's modes compiled for sm_90 on the CPU (`gluon.compile_report`) beside the shipped kernel's."""
     from bole_tune.kernels.verify import gluon
-    from bole_tune.kernels.verify.result import VerifyShape, result_buffers
-    from bole_tune.kernels.verify.ring import PendingRing, RingRead, RingRound
-    from bole_tune.workloads import make_inputs, make_tree
 
-    shipped = gluon.compile_report(32)
-    h = HEADS_9B
-    tree = make_tree([gluon.B_T] * 4, "random", max_depth=8, seed=1, device="cpu")
-    x = make_inputs(tree, h.hk, h.hv, h.dk, h.dv, torch.bfloat16, "cpu", seed=1)
-    shape = VerifyShape(h, tree.num_nodes, 4, x.state.shape[0], h.dk ** -0.5)
-    res = result_buffers(shape, torch.bfloat16, "cpu", tree, None)
-    ring = PendingRing(x.state.shape[0], 1, 32, capacity=tree.num_nodes, max_requests=4, device="cpu")
-    arena = ring.results(h, torch.bfloat16)
-    for mode, write in (("verify", None), ("read", False), ("write", True)):
-        rr = None if write is None else RingRead(RingRound(ring, tree, 0, write), arena)
-        _, a, meta = gluon.launch_args(*x.args(tree)[:7], tree, shape, res, gluon.UNTUNED_CONFIG, rr)
-        print(f"{mode}, shipped: {shipped[mode]['registers']} registers, {shipped[mode]['stack']} B stack, "
-              f"{shipped[mode]['local']} B spilled, {shipped[mode]['shared']} B shared")
-        for name, module in variants.items():
-            report = binary_report(gluon.compile_sm90(a, meta, fn=module.gluon_verify_kernel))
-            print(f"{mode}, {name}: {report['registers']} registers, {report['stack']} B stack, {report['local']} B "
-                  f"spilled, {report['shared']} B shared")
+    reports = {"shipped": gluon.compile_report(32),
+               **{name: gluon.compile_report(32, fn=module.gluon_verify_kernel) for name, module in variants.items()}}
+    for name, report in reports.items():
+        for mode, r in report.items():
+            print(f"{mode}, {name}: {r['registers']} registers, {r['stack']} B stack, {r['local']} B spilled, "
+                  f"{r['shared']} B shared")
 
 
 def on_gpu(variants: dict, batches: list, turns: int, repeats: int) -> list:

@@ -744,11 +744,12 @@ def gluon_takes(launch, q, k, v, state, shape, ring=None, pending=None) -> bool:
     return state.data_ptr() % 16 == 0
 
 
-def compile_report(width: int = MAX_RING_WIDTH, config=None) -> dict:
+def compile_report(width: int = MAX_RING_WIDTH, config=None, fn=None, extra_args: tuple = ()) -> dict:
     """Each mode compiled for sm_90 here, without a GPU (a process without ``TRITON_INTERPRET``), on four 64-node
     trees of Qwen3.5-9B heads in bf16 with ring tables ``width`` wide and ``config``'s tiles (default
     `UNTUNED_CONFIG`): mode -> `bole_tune.binaries.binary_report` (registers, spilled bytes, shared memory) without
-    its instruction counts; a mode whose tiles `tile_refusal` refuses is left out."""
+    its instruction counts; a mode whose tiles `tile_refusal` refuses is left out. ``fn``: another Gluon kernel with
+    this one's parameters and then ``extra_args`` (the labs' variants of it), default this one."""
     from bole_tune.binaries import binary_report
     from bole_tune.shapes import HeadShape
     from bole_tune.workloads import make_inputs, make_tree
@@ -769,7 +770,7 @@ def compile_report(width: int = MAX_RING_WIDTH, config=None) -> dict:
             continue
         rr = None if write is None else RingRead(RingRound(ring, tree, 0, write), arena)
         _, args, meta = launch_args(*x.args(tree)[:7], tree, shape, res, config, rr)
-        report = binary_report(compile_sm90(args, meta))
+        report = binary_report(compile_sm90(args + tuple(extra_args), meta, fn))
         report.pop("ops", None)
         out[mode] = report
     return out
