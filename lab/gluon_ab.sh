@@ -5,12 +5,15 @@
 #   rm -rf .old && mkdir .old && git archive <commit> | tar -x -C .old && cp lab/gluon_times.py .old/lab/
 # then run from the repository root: bash lab/gluon_ab.sh (carrying .whl and .old).
 set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
 for turn in $(seq 1 ${TURNS:-2}); do
   for v in .old .; do
     name=new; [ "$v" = .old ] && name=old
     python3 -m pip install -q --no-deps --no-build-isolation -e $v >/dev/null 2>&1 || echo "install $v failed"
-    timeout 240 python3 $v/lab/gluon_times.py ${GLUON_TIMES_ARGS:-} --json $OUT/$name-$turn.json > $OUT/$name-$turn.log 2>&1 || tail -5 $OUT/$name-$turn.log
+    log=$OUT/$name-$turn.log
+    timeout 240 python3 $v/lab/gluon_times.py ${GLUON_TIMES_ARGS:-} --json $OUT/$name-$turn.json > $log 2>&1 \
+      || tail -5 $log
   done
 done
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1

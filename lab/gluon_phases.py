@@ -93,8 +93,10 @@ def instrumented_source() -> str:
     for at, text in sorted(inserts, reverse=True):
         out.insert(at, text)
     src = "\n".join(out)
-    src = src.replace("stride_s_slot, stride_s_h, stride_s_v,\n        D_K:", "stride_s_slot, stride_s_h, stride_s_v, t_ptr,\n        D_K:", 1)
-    src = src.replace("    @gluon.jit\n    def table_rows(", STAMP_FN.replace("N_STAMPS", str(N_STAMPS)) + "\n    @gluon.jit\n    def table_rows(", 1)
+    signature = "stride_s_slot, stride_s_h, stride_s_v,\n        D_K:"
+    src = src.replace(signature, signature.replace("stride_s_v,", "stride_s_v, t_ptr,"), 1)
+    helper = "    @gluon.jit\n    def table_rows("
+    src = src.replace(helper, STAMP_FN.replace("N_STAMPS", str(N_STAMPS)) + "\n" + helper, 1)
     src = src.replace("from ..common import LOG_DECAY_FLOOR", "from bole_tune.kernels.common import LOG_DECAY_FLOOR")
     if "t_ptr,\n        D_K" not in src:
         raise SystemExit("the kernel's signature changed")
@@ -200,7 +202,8 @@ def main() -> None:
             program = (gt[:, :, end] - gt[:, :, 0]) / 1e3
             starts = (gt[:, :, 0] - gt[:, :, 0].amin(1, keepdim=True)) / 1e3
             late = (starts > program.median() * 0.5).float().mean().item()
-            result["modes"][name] = {"ghz": round(1 / ns_per_cycle, 3), "launch_span_us": round(span.median().item(), 2),
+            result["modes"][name] = {"ghz": round(1 / ns_per_cycle, 3),
+                                     "launch_span_us": round(span.median().item(), 2),
                                      "program_us": round(program.median().item(), 2),
                                      "program_us_p10_p90": [round(program.quantile(0.1).item(), 2),
                                                             round(program.quantile(0.9).item(), 2)],

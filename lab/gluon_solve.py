@@ -16,10 +16,10 @@ Variants (`PATCHES`, joined by +): "doubling", and "early-corrections" (a read r
 Gram products); by default each and both.
 
 On the GPU the shipped kernel's source is copied with the variant's patches (`solve_factors` replaced by
-`solve_doubling`, below) and launched in place of the shipped one through `run.run_launch` (both through Triton's own launch, so the two differ
-only in the solve); each is checked against float64 (the verify; a ring of three over four rounds: outputs and
-flushed slots), then the verify and a ring of three's rounds are timed in alternating turns (`CaseBench`, one CUDA
-graph over rotating input sets).
+`solve_doubling`, below) and launched in place of the shipped one through `run.run_launch` (both through Triton's
+own launch, so they differ only in the patches); each is checked against float64 (the verify; a ring of three over
+four rounds: outputs and flushed slots), then the verify and a ring of three's rounds are timed in alternating turns
+(`CaseBench`, one CUDA graph over rotating input sets).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ SOLVE_DOUBLING = '''
 
 EARLY_ISSUE_AT = """        if RING or FOLD:
             # what the tokens' weights are worked out from, requested now"""
-EARLY_ISSUE = """        if RING:  # the corrections' products issued with the Gram products (their keys came with q and k)
+EARLY_ISSUE = """        if RING:  # the corrections' products with the Gram products (their keys came with q and k)
             b_dq = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
             b_dk = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P)
             for c in gl.static_range(NK):
@@ -122,7 +122,8 @@ def patched_source(patches: tuple) -> str:
         if src.count(EARLY_ISSUE_AT) != 1 or src.count(LATE_ISSUE) != 1:
             raise SystemExit("the kernel changed: its corrections are not where this script expects")
         src = src.replace(EARLY_ISSUE_AT, EARLY_ISSUE + EARLY_ISSUE_AT, 1)
-        src = src.replace(LATE_ISSUE, "            b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))\n", 1)
+        wait = "            b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))\n"
+        src = src.replace(LATE_ISSUE, wait, 1)
     if "doubling" in patches:
         src = doubling(src)
     return src.replace("from ..common import LOG_DECAY_FLOOR", "from bole_tune.kernels.common import LOG_DECAY_FLOOR")
@@ -133,7 +134,8 @@ def doubling(src: str) -> str:
     if src.count(call) != 1 or "    @gluon.jit\n    def solve_factors(" not in src:
         raise SystemExit("the kernel changed: its solve_factors call or definition is not where this script expects")
     src = src.replace(call, "        solve_doubling(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc,", 1)
-    return src.replace("    @gluon.jit\n    def solve_factors(", SOLVE_DOUBLING + "\n    @gluon.jit\n    def solve_factors(", 1)
+    definition = "    @gluon.jit\n    def solve_factors("
+    return src.replace(definition, SOLVE_DOUBLING + "\n" + definition, 1)
 
 
 def load_patched(patches: tuple):
