@@ -1,25 +1,26 @@
-"""Issue 17: the Gluon verify's factors by doubling instead of level sweeps (H200, 9B heads, bf16, 64-node trees).
+"""Issue 17: the Gluon verify's factors by doubling against level sweeps (H200, 9B heads, bf16, 64-node trees).
 
-The shipped kernel solves ``X = (I + G)^-1 = sum_m A^m`` (``A = -G``, nilpotent: ``A^m = 0`` past the tree's depth
-``d``) by ``d`` level sweeps ``Y <- A (I + Y)``, each one wgmma on fp16 operands waited for before the next
-(`gluon.solve_factors`): 3.4 us of a program's 21.8 at B=16 (`lab/gluon_phases.py`, BENCHMARKS.md "Thirtieth
-session"), eight dependent steps for trees of depth 8. By doubling, ``X = (I + T_0)(I + T_1) ... (I + T_{L-1})``
-with ``T_0 = A``, ``T_l = T_{l-1}^2`` and ``2^L > d``: ``T_l`` squared and ``P <- P (I + T_{l-1})`` issued together
-(both read ``T_{l-1}`` from shared memory; ``P`` is the accumulator and, in fp16, the A operand from registers), so
-``L`` dependent steps: 4 for depth 8, 3 for depths 4-7.
+The kernel solves ``X = (I + G)^-1 = sum_m A^m`` (``A = -G``, nilpotent: ``A^m = 0`` past the tree's depth ``d``).
+Level sweeps ``Y <- A (I + Y)`` take ``d`` dependent wgmma steps (3.4 us of a program's 21.8 at B=16 with depth 8,
+`lab/gluon_phases.py`). By doubling, ``X = (I + T_0)(I + T_1) ... (I + T_{L-1})`` with ``T_0 = A``,
+``T_l = T_{l-1}^2`` and ``2^L > d``: ``T_l`` squared and ``P <- P (I + T_{l-1})`` issued together, so ``L`` dependent
+steps: 4 for depth 8, 3 for depths 4-7.
+
+Measured in the thirty-first session (BENCHMARKS.md), doubling was 2.1-2.9 us faster a B=16 round of the ring of
+three and as accurate on the GPU's random trees, so `gluon.solve_factors` now doubles; the sweeps are kept here
+(`SOLVE_SWEEPS`) as the variant "sweeps", to re-measure against.
 
     python3 lab/gluon_solve.py --emulate        # CPU: both solves' rounding emulated against float64
     python3 lab/gluon_solve.py --compile-only   # CPU: each variant compiled for sm_90
-    python3 lab/gluon_solve.py [--batch 16 --batch 32] [--variant doubling] [--turns 2] [--json OUT]   # H200
+    python3 lab/gluon_solve.py [--batch 16 --batch 32] [--variant sweeps] [--turns 2] [--json OUT]   # H200
 
-Variants (`PATCHES`, joined by +): "doubling", and "early-corrections" (a read round's corrections issued with the
-Gram products); by default each and both.
+Variants (`PATCHES`, joined by +): "sweeps" (the level sweeps in place of the doubling), and "early-corrections" (a
+read round's corrections issued with the Gram products: no faster on the H200); by default each and both.
 
-On the GPU the shipped kernel's source is copied with the variant's patches (`solve_factors` replaced by
-`solve_doubling`, below) and launched in place of the shipped one through `run.run_launch` (both through Triton's
-own launch, so they differ only in the patches); each is checked against float64 (the verify; a ring of three over
-four rounds: outputs and flushed slots), then the verify and a ring of three's rounds are timed in alternating turns
-(`CaseBench`, one CUDA graph over rotating input sets).
+On the GPU the shipped kernel's source is copied with the variant's patches and launched in place of the shipped one
+through `run.run_launch` (both through Triton's own launch, so they differ only in the patches); each is checked
+against float64 (the verify; a ring of three over four rounds: outputs and flushed slots), then the verify and a ring
+of three's rounds are timed in alternating turns (`CaseBench`, one CUDA graph over rotating input sets).
 """
 
 from __future__ import annotations
@@ -39,52 +40,32 @@ HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 LAYERS = 24
 TOLERANCE = 5e-3
 
-SOLVE_DOUBLING = '''
+SOLVE_SWEEPS = '''
     @gluon.jit
-    def solve_doubling(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j,
-                       decay, p_depth, zeros_t):
-        """`solve_factors`' factors, ``X`` by doubling: ``P = I + T_0`` (``T_0 = A = -G`` as stored in fp16), then
-        for each further level ``T_l = T_{l-1}^2`` and ``P <- P + P T_{l-1}`` issued together, the powers in
-        ``w_smem`` and ``x_smem`` by turns (static levels, each run where ``2^l <= depth``)."""
-        A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zeros_t.type.layout, k_width=2)
-        diag = o_i[:, None] == o_j[None, :]
-        b_a = gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
-                       -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16)
-        w_smem.store(b_a)
+    def solve_sweeps(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j,
+                      decay, p_depth, zeros_t):
+        """The factors as shipped before doubling: ``G`` (negated) and ``C`` first, then
+        ``X = (I + G)^-1 = I + Y`` by level sweeps ``Y <- -G (I + Y)`` (fp16 operands, fp32 accumulation; ``G`` links
+        a node to its proper ancestors only), leaving ``W = X D_beta`` in ``w_smem`` and ``M = C X D_beta`` in
+        ``m_smem`` (``x_smem`` the sweeps' scratch). As many sweeps as the tree's block depth at ``p_depth``."""
+        w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
+                              -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
         m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
-        b_p = gl.where(diag, 1.0, b_a.to(gl.float32))
-        depth = gl.load(p_depth)
-        fence_async_shared()
+        b_y = zeros_t
+        for _ in range(gl.load(p_depth)):
+            gl.thread_barrier()
+            x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
         gl.thread_barrier()
-        for l in gl.static_range(1, 7):  # levels 1..6: depths up to 63 (B_T = 64)
-            if l % 2 == 1:  # T_{l-1} in src, T_l into dst
-                src = w_smem
-                dst = x_smem
-            else:
-                src = x_smem
-                dst = w_smem
-            if (1 << l) <= depth:  # T_l = T_{l-1}^2 is not 0, and P takes T_{l-1} (from level 2 on)
-                b_t = warpgroup_mma(src, src, zeros_t, use_acc=False, is_async=True)
-                if l >= 2:
-                    b_p = warpgroup_mma(gl.convert_layout(b_p.to(gl.float16), A_P), src, b_p, is_async=True)
-                b_t = warpgroup_mma_wait(num_outstanding=0, deps=(b_t,))
-                if l >= 2:
-                    b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p,))
-                gl.thread_barrier()
-                dst.store(b_t.to(gl.float16))
-                fence_async_shared()
-                gl.thread_barrier()
-            elif (1 << l) <= 2 * depth:  # the last level: P takes T_{l-1} (2^(l-1) <= d < 2^l)
-                if l >= 2:
-                    b_p = warpgroup_mma(gl.convert_layout(b_p.to(gl.float16), A_P), src, b_p, is_async=True)
-                    b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p,))
-        gl.thread_barrier()
-        x_smem.store(b_p.to(gl.float16))
+        b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
+        x_smem.store(b_x.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
         b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
         gl.thread_barrier()
-        w_smem.store((b_p * beta_j[None, :]).to(gl.float16))
+        w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
         m_smem.store(b_m.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
@@ -107,8 +88,8 @@ LATE_ISSUE = """            b_dq = gl.zeros([B_T, B_P], gl.float32, layout=MMA_P
                 b_dk = warpgroup_mma(k_smem.index(c), kp_smem.index(c).permute((1, 0)), b_dk, is_async=True)
             b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))
 """
-PATCHES = ("doubling", "early-corrections")
-"""What `patched_source` can change: the factors by doubling (`SOLVE_DOUBLING`); a read round's corrections
+PATCHES = ("sweeps", "early-corrections")
+"""What `patched_source` can change: the factors by level sweeps (`SOLVE_SWEEPS`); a read round's corrections
 ``[Q; K] K_p^T`` issued with the Gram products instead of after their wait (0.8-0.9 us a program after it at B=16,
 `lab/gluon_phases.py`; compiled for sm_90: no spill at 16 entries, 16 bytes of stack at 32)."""
 
@@ -124,18 +105,18 @@ def patched_source(patches: tuple) -> str:
         src = src.replace(EARLY_ISSUE_AT, EARLY_ISSUE + EARLY_ISSUE_AT, 1)
         wait = "            b_dq, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dk))\n"
         src = src.replace(LATE_ISSUE, wait, 1)
-    if "doubling" in patches:
-        src = doubling(src)
+    if "sweeps" in patches:
+        src = sweeps(src)
     return src.replace("from ..common import LOG_DECAY_FLOOR", "from bole_tune.kernels.common import LOG_DECAY_FLOOR")
 
 
-def doubling(src: str) -> str:
+def sweeps(src: str) -> str:
     call = "        solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc,"
     if src.count(call) != 1 or "    @gluon.jit\n    def solve_factors(" not in src:
         raise SystemExit("the kernel changed: its solve_factors call or definition is not where this script expects")
-    src = src.replace(call, "        solve_doubling(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc,", 1)
+    src = src.replace(call, "        solve_sweeps(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc,", 1)
     definition = "    @gluon.jit\n    def solve_factors("
-    return src.replace(definition, SOLVE_DOUBLING + "\n" + definition, 1)
+    return src.replace(definition, SOLVE_SWEEPS + "\n" + definition, 1)
 
 
 def load_patched(patches: tuple):
@@ -190,13 +171,13 @@ def emulate(trials: int = 60) -> dict:
         y = torch.zeros(n, n, dtype=torch.float64)
         for _ in range(d):  # the shipped sweeps
             y = f32(a16 @ f16(torch.where(eye.bool(), 1.0, y)))
-        sweeps = torch.where(eye.bool(), 1.0, y)
+        swept = torch.where(eye.bool(), 1.0, y)
         t, p = a16, f32(eye + a16)  # the doubling: P = (I + T_0), then P (I + T_l) with T_l = T_{l-1}^2
         for _ in range(1, d.bit_length()):
             t = f16(f32(t @ t))
             p = f32(p + f16(p) @ t)
         key = f"keys shared {shared}, beta {'uniform' if trial % 2 else 1}"
-        for name, x in (("sweeps", sweeps), ("doubling", p)):
+        for name, x in (("sweeps", swept), ("doubling", p)):
             err = ((x - x64).abs().max() / x64.abs().max()).item()
             worst.setdefault(key, {}).setdefault(name, 0.0)
             worst[key][name] = max(worst[key][name], err)
@@ -204,7 +185,7 @@ def emulate(trials: int = 60) -> dict:
 
 
 def levels_in_order(a: torch.Tensor, depth: int) -> torch.Tensor:
-    """`solve_doubling`'s levels in the kernel's order and conditions, in float64 without rounding: ``X`` from
+    """`gluon.solve_factors`' levels in the kernel's order and conditions, in float64 without rounding: ``X`` from
     ``A = -G`` of a forest ``depth`` deep (the two shared-memory buffers by turns, as in the kernel)."""
     buffers = {"w": a.clone(), "x": None}
     p = torch.eye(a.shape[0], dtype=a.dtype) + a
@@ -316,8 +297,8 @@ def main() -> None:
             print(f"{key}: " + ", ".join(f"{name} {err:.2e}" for name, err in row.items()))
         return
     variants = {"+".join(patches): load_patched(patches) for patches in
-                [tuple(v.split("+")) for v in args.variant or ["doubling", "early-corrections",
-                                                               "doubling+early-corrections"]]}
+                [tuple(v.split("+")) for v in args.variant or ["sweeps", "early-corrections",
+                                                               "sweeps+early-corrections"]]}
     if args.compile_only:
         compile_only(variants)
         return

@@ -23,6 +23,7 @@ from bole_tune.kernels.verify.ring import RingRead, RingRound
 from bole_tune.search_space import SearchSpace
 from bole_tune.shapes import HeadShape
 from bole_tune.tuner import GLUON_STARTS
+from bole_tune.tree import TreeBatch
 from bole_tune.workloads import make_inputs, make_tree
 from helpers import TOLERANCE, assert_close
 from test_folded_commit import accepted_of
@@ -309,6 +310,41 @@ def test_gluon_verify_and_commit_match_the_reference(sizes):
     truth = ref.committed(x.state, x.state_indices, tree, accepted).float()
     tree_commit(x.state, x.state_indices, res, accepted)
     assert_close(x.state, truth, TOLERANCE[F32], "the pool committed from the Gluon verify's factors")
+
+
+def _parents_of_depth(depth, size, rng):
+    """A ``size``-node tree exactly ``depth`` deep: a chain that deep, the other nodes under random shallower nodes."""
+    parents, depths = [-1] + list(range(depth)), list(range(depth + 1))
+    while len(parents) < size:
+        p = rng.randrange(len(parents))
+        if depths[p] < depth:
+            parents.append(p)
+            depths.append(depths[p] + 1)
+    return parents
+
+
+@requires_sm90
+def test_gluon_factors_are_right_at_every_depth_it_takes():
+    """The factors by doubling take a different number of levels, and a different last level, at each block depth:
+    one launch whose requests are 0 to the planner's deepest (12) deep, outputs and the committed pool against float64."""
+    rng = random.Random(5)
+    deepest = H200_POLICY.sweep_f16_max_depth
+    tree = TreeBatch.from_parents([_parents_of_depth(d, 64 if d else 1, rng) for d in range(deepest + 1)],
+                                  device="cuda")
+    assert tree.depth == deepest and tree.block_depths(64)[0][:, 0].tolist() == list(range(deepest + 1))
+    x = make_inputs(tree, HEADS_9B.hk, HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv, BF16, "cuda", seed=5)
+    launch = plan_launch(HEADS_9B, BF16, num_requests=tree.num_requests, max_tree_size=tree.max_tree_size,
+                         depth=tree.depth, device="cuda")
+    assert launch.gluon, launch
+    res = tree_verify(*x.args(tree), launch=launch)
+    ref = verify_reference(*x.args(tree))
+    for r in range(tree.num_requests):
+        a, b = int(tree.offsets[r]), int(tree.offsets[r + 1])
+        assert_close(res.o[a:b], ref.o[a:b], TOLERANCE[BF16], f"outputs of the request {r} deep")
+    accepted = torch.tensor([(r, tree.sizes[r] - 1, -1)[r % 3] for r in range(tree.num_requests)], device="cuda")
+    truth = ref.committed(x.state, x.state_indices, tree, accepted).float()
+    tree_commit(x.state, x.state_indices, res, accepted)
+    assert_close(x.state, truth, TOLERANCE[F32], "the pool committed from the factors")
 
 
 @requires_sm90

@@ -544,28 +544,55 @@ if gluon is not None:
     @gluon.jit
     def solve_factors(w_smem, m_smem, x_smem, b_qk, b_kk, m_anc, o_i, o_j, beta_i, beta_j, r_q_i, r_k_i, r_k_j,
                       decay, p_depth, zeros_t):
-        """A head's factors into shared memory as fp16 wgmma operands: ``G`` (negated) and ``C`` first, then
-        ``X = (I + G)^-1 = I + Y`` by level sweeps ``Y <- -G (I + Y)`` (fp16 operands, fp32 accumulation; ``G`` links
-        a node to its proper ancestors only), leaving ``W = X D_beta`` in ``w_smem`` and ``M = C X D_beta`` in
-        ``m_smem`` (``x_smem`` the sweeps' scratch). As many sweeps as the tree's block depth at ``p_depth``."""
-        w_smem.store(gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
-                              -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16))
+        """A head's factors into shared memory as fp16 wgmma operands: ``A = -G`` and ``C`` first, then
+        ``X = (I + G)^-1`` by doubling, leaving ``W = X D_beta`` in ``w_smem`` and ``M = C X D_beta`` in ``m_smem``.
+
+        ``G`` links a node to its proper ancestors only, so ``A^m = 0`` past the block's depth ``d`` (at ``p_depth``)
+        and ``X = (I + T_0)(I + T_1) ... (I + T_{L-1})`` with ``T_0 = A``, ``T_l = T_{l-1}^2`` and ``2^L > d``. At each
+        level the square ``T_l`` and the product's step ``P <- P + P T_{l-1}`` read ``T_{l-1}`` from shared memory
+        and are issued together (``P``: fp32 accumulator, fp16 A operand from registers), so depth ``d`` costs
+        ``ceil(log2(d + 1))`` dependent wgmma steps where level sweeps ``Y <- A (I + Y)`` cost ``d``. The powers sit
+        in ``w_smem`` and ``x_smem`` by turns. Levels are static up to depth 63 (``B_T = 64``); each runs only where
+        the block is that deep."""
+        A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zeros_t.type.layout, k_width=2)
+        diag = o_i[:, None] == o_j[None, :]
+        b_a = gl.where(m_anc & (o_i[:, None] != o_j[None, :]),
+                       -(beta_i * r_k_i)[:, None] * decay * r_k_j[None, :] * b_kk, 0.0).to(gl.float16)
+        w_smem.store(b_a)
         m_smem.store((r_q_i[:, None] * decay * r_k_j[None, :] * b_qk).to(gl.float16))
-        b_y = zeros_t
-        for _ in range(gl.load(p_depth)):
-            gl.thread_barrier()
-            x_smem.store(gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y).to(gl.float16))
-            fence_async_shared()
-            gl.thread_barrier()
-            b_y = warpgroup_mma(w_smem, x_smem, zeros_t, use_acc=False)
+        b_p = gl.where(diag, 1.0, b_a.to(gl.float32))  # P = I + T_0
+        depth = gl.load(p_depth)
+        fence_async_shared()
         gl.thread_barrier()
-        b_x = gl.where(o_i[:, None] == o_j[None, :], 1.0, b_y)
-        x_smem.store(b_x.to(gl.float16))
+        for level in gl.static_range(1, 7):
+            if level % 2 == 1:  # T_{level-1} in src; T_level, where it is not 0, into dst
+                src = w_smem
+                dst = x_smem
+            else:
+                src = x_smem
+                dst = w_smem
+            if (1 << level) <= depth:  # T_level is not 0; P takes T_{level-1} from level 2 on
+                b_t = warpgroup_mma(src, src, zeros_t, use_acc=False, is_async=True)
+                if level >= 2:
+                    b_p = warpgroup_mma(gl.convert_layout(b_p.to(gl.float16), A_P), src, b_p, is_async=True)
+                b_t = warpgroup_mma_wait(num_outstanding=0, deps=(b_t,))
+                if level >= 2:
+                    b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p,))
+                gl.thread_barrier()
+                dst.store(b_t.to(gl.float16))
+                fence_async_shared()
+                gl.thread_barrier()
+            elif (1 << level) <= 2 * depth:  # the last level (2^(level-1) <= d < 2^level): P takes T_{level-1}
+                if level >= 2:
+                    b_p = warpgroup_mma(gl.convert_layout(b_p.to(gl.float16), A_P), src, b_p, is_async=True)
+                    b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p,))
+        gl.thread_barrier()
+        x_smem.store(b_p.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
         b_m = warpgroup_mma(m_smem, x_smem, zeros_t, use_acc=False) * beta_j[None, :]
         gl.thread_barrier()
-        w_smem.store((b_x * beta_j[None, :]).to(gl.float16))
+        w_smem.store((b_p * beta_j[None, :]).to(gl.float16))
         m_smem.store(b_m.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
