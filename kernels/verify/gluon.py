@@ -9,7 +9,8 @@ kernel say (docs/math.md, "The Gluon verify"):
 
 - every q, k and v row of the tree is requested at once by cp.async into shared memory (rows past the tree
   zero-filled); q and k feed every wgmma from there: ``Q K^T``, ``K K^T``, and ``Q S^T``, ``K S^T`` per state tile;
-- the factors: ``X = (I + G)^-1`` by level sweeps on fp16 wgmma, ``W = X D_beta`` and ``M = C X D_beta`` stored
+- the factors: ``X = (I + G)^-1`` by doubling on fp16 wgmma (``ceil(log2(d + 1))`` dependent products for a block
+  ``d`` deep), ``W = X D_beta`` and ``M = C X D_beta`` stored
   to shared memory as fp16 (the readout's A operands), out of the registers through the state stream;
 - ``S_pre`` streamed one ``[B_V, B_K]`` fp32 tile at a time (the next tile's load issued before the current tile's
   products), split into two bf16 parts in shared memory;
