@@ -5,7 +5,8 @@
 #   tests     all of tests/ on the GPU (over TEST_WORKERS processes where pytest-xdist is installed: on the
 #             H200 machine's 16 cores the whole suite takes about 3.5 minutes with 14, more than 9 without)
 #   gputests  the kernels' tests on the GPU (production shapes, both kernels, the Gluon verify, the planner, the
-#             layer, validate)
+#             layer, validate; over GPUTESTS_WORKERS processes, one a file, where pytest-xdist is installed: about
+#             8 minutes without, the Gluon file's compile checks alone 1-2)
 #   validate  bole-tune validate --production (greedy output against transformers)
 #   profile   a quick profile into $OUT's database (bole-tune profile --quick, curves)
 #   bench     bole-tune bench --model qwen3.5-9b (JSON in $OUT/bench-9b.json)
@@ -54,8 +55,9 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
   case $1 in
     tests) timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -q -p no:cacheprovider $(python3 -c 'import xdist' \
         2>/dev/null && echo "-n ${TEST_WORKERS:-14} --dist loadfile") ;;
-    gputests) timeout "${GPUTESTS_TIMEOUT:-360}" python3 -m pytest tests/test_tree_verify.py tests/test_planner.py \
-        tests/test_gluon_verify.py tests/test_gdn_layer.py tests/test_validate.py -q -p no:cacheprovider ;;
+    gputests) timeout "${GPUTESTS_TIMEOUT:-540}" python3 -m pytest tests/test_tree_verify.py tests/test_planner.py \
+        tests/test_gluon_verify.py tests/test_gdn_layer.py tests/test_validate.py -q -p no:cacheprovider \
+        $(python3 -c 'import xdist' 2>/dev/null && echo "-n ${GPUTESTS_WORKERS:-4} --dist loadfile") ;;
     validate) timeout "${VALIDATE_TIMEOUT:-110}" bole-tune validate --production --prompts 2 --tokens 200 ;;
     profile) BOLE_TUNE_DB="$OUT" timeout "${PROFILE_TIMEOUT:-480}" bole-tune profile --quick --repeats 20 \
         --curve-batch 1,4,16 --curve-tree-size 16,32,64,128,256 --storage "sqlite:///$OUT/studies.sqlite3" ;;
