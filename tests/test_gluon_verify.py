@@ -22,8 +22,8 @@ from bole_tune.kernels.verify.planner import H200_POLICY, Launch, Planner
 from bole_tune.kernels.verify.ring import RingRead, RingRound
 from bole_tune.search_space import SearchSpace
 from bole_tune.shapes import HeadShape
-from bole_tune.tuner import GLUON_STARTS
 from bole_tune.tree import TreeBatch
+from bole_tune.tuner import GLUON_STARTS
 from bole_tune.workloads import make_inputs, make_tree
 from helpers import TOLERANCE, assert_close
 from test_folded_commit import accepted_of
