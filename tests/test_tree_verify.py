@@ -468,6 +468,35 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
 
 
+@pytest.mark.parametrize("scan", [None, 16, 32])
+def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
+    """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`
+    caps the tree's node block, 64 here): at every width the committed slots equal the float64 reference, for
+    accepted nodes in the first, a middle and the last scan step, and -1."""
+    from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.kernels.verify import tree_commit as commit_module
+    from bole_tune.shapes import HeadShape
+
+    monkeypatch.setattr(commit_module, "SCAN_BLOCK", scan)
+    sizes = [48, 40, 37, 45]
+    tree = make_tree(sizes, "random", max_depth=8, seed=12, device=device)
+    accepted = torch.tensor([47, 20, 3, -1], device=device)
+    heads = HeadShape(hk=1, hv=2, dk=16, dv=16)
+    results = LayerResults.empty(2, tree, heads, torch.float32, device)
+    pools, expected = [], []
+    for layer in range(2):
+        x = make_inputs(tree, 1, 2, 16, 16, torch.float32, device, seed=70 + layer)
+        if layer:
+            x.state_indices.copy_(pools[0][1])
+        tree_verify(*x.args(tree), out=results.layer(layer))
+        pools.append((x.state, x.state_indices))
+        expected.append(verify_reference(*x.args(tree)).committed(x.state, x.state_indices, tree, accepted))
+    states = torch.stack([p for p, _ in pools])
+    tree_commit_layers(states, pools[0][1], results, tree, accepted)
+    for layer in range(2):
+        assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
+
+
 EXTREME_GATES = {
     # a huge decay at the root, then small ones: the child's decays must keep their -0.01 (fp32 path sums did not)
     "root-minus-1e6-then-small": lambda g: (g.fill_(-0.01), g[0].fill_(-1e6)),

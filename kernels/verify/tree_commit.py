@@ -66,6 +66,12 @@ the committed state within 2.3e-7 of the closed form on the H200, fp32 FMAs 6.3e
 far fewer registers, so more programs stream per SM: the all-layer commit 10-12% faster at B >= 16, 22% at B=1
 ("split3", exact pieces, measured the same within 1%; BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32
 values: their commits use fp32 FMAs."""
+SCAN_BLOCK: int | None = None
+"""Candidates one step of the commit's path scan looks at (`blocks.path_factors`: ``accepted // B_T + 1`` steps of a
+``[16, B_T]`` compare, the same path at every width): None, the tree's node block (16-64, `config.node_block`); a
+power of two >= 16 caps it. Compiled for sm_90 at the tuned B=16 all-layer launch (`python3 lab/commit_scan.py`), a
+64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one 144 and 1848; which is faster
+is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until it is measured."""
 COMMIT_STATE_HINTS = ("evict_last", "")
 """The state tiles' cache hints: (the loads' eviction policy, the stores' cache modifier; "" for none). Each tile is
 read once and written back to the same lines; kept in L2 on the load ("evict_last"), its write lands there. Measured
@@ -343,6 +349,8 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     # a pointer launch on the H200's host: BENCHMARKS.md, "Fifteenth session"); kept, it would keep the pool alive
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
+    if SCAN_BLOCK is not None:
+        block = min(block, SCAN_BLOCK)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
            k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, misaligned(pointers, reduce(or_, pointers)),

@@ -1,0 +1,165 @@
+"""The all-layer commit's path scan, compiled for the H200 (sm_90) on a machine without a GPU: what the binary costs
+(registers, spills, instructions) with the scan's candidate block ``B_T`` at each width, for the tuned all-layer launch
+of B=16 (24 layers) at trees of 8 and 64 nodes (issue 17: 20.7 us a layer at 64-node trees against 19.6 at 8-node
+ones, the same tuned config).
+
+    python3 lab/commit_scan.py [--batch 16] [--layers 24] [--widths 8,16,32,64] [--tree-size 8,64]
+    python3 lab/commit_scan.py --time --widths 16,32,64 [--json OUT]          # on the H200
+    TRITON_INTERPRET=1 python3 lab/commit_scan.py --time --smoke --batch 2 --layers 2 --turns 1 --repeats 1
+
+The kernel scans ``accepted // B_T + 1`` blocks of ``B_T`` candidates (`blocks.path_factors`), each a ``[B_P, B_T]``
+compare: the result is the same at every ``B_T`` (the CPU tests run the commit at several), only its cost differs.
+Static counts only: the launch's time is measured on the GPU (``--time``: each width's launch side by side, one CUDA
+graph over rotating sets, every width first checked against the float64 closed form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--time" not in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compilable kernels
+
+import torch  # noqa: E402
+
+from bole_tune.config import CommitConfig  # noqa: E402
+from bole_tune.kernels import LayerResults, tree_commit_layers, tree_verify  # noqa: E402
+from bole_tune.kernels.verify import tree_commit as commit_module  # noqa: E402
+from bole_tune.workloads import make_inputs, make_tree  # noqa: E402
+
+TUNED = CommitConfig(b_k=128, b_v=16, v_span=128, num_warps=2, num_stages=3, tma=1)  # B=16, L=24, every tree bucket
+
+
+def _heads(smoke: bool = False):
+    from bole_tune.shapes import HeadShape
+    return HeadShape(hk=1, hv=2, dk=32, dv=32) if smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
+
+
+def captured(batch: int, tree_size: int, layers: int):
+    """(kernel, arguments, meta, grid) of the tuned all-layer launch, captured from a CPU call (nothing runs)."""
+    got = {}
+
+    def capture(key, grid, fast_args, build_args, build_meta):
+        got.update(args=build_args(), meta=build_meta(), grid=grid)
+
+    tree = make_tree([tree_size] * batch, "chain" if tree_size <= 8 else "random", max_depth=8, seed=3, device="cpu")
+    h = _heads()
+    states = torch.zeros(layers, batch, h.hv, h.dv, h.dk)
+    results = LayerResults.empty(layers, tree, h, torch.bfloat16, "cpu")
+    accepted = torch.zeros(batch, dtype=torch.int32)
+    slots = torch.arange(batch, dtype=torch.int32)
+    original, use, off_gpu = commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU
+    commit_module.COMMIT.launch_keyed, commit_module.use_triton = capture, (lambda device: True)
+    commit_module.TMA_OFF_GPU = True  # the launch as an sm_90 GPU builds it: the pool's descriptor, TMA loads
+    try:
+        tree_commit_layers(states, slots, results, tree, accepted, validate=False, config=TUNED)
+    finally:
+        commit_module.COMMIT.launch_keyed, commit_module.use_triton = original, use
+        commit_module.TMA_OFF_GPU = off_gpu
+    return commit_module.tree_commit_kernel, got["args"], got["meta"], got["grid"]
+
+
+def compiled_rows(batch: int, layers: int, tree_sizes, widths) -> list[dict]:
+    from bole_tune.binaries import binary_report, compile_for, unavailable
+
+    reason = unavailable()
+    if reason:
+        raise SystemExit(f"cannot compile here: {reason}")
+    rows = []
+    for tree_size in tree_sizes:
+        fn, args, meta, grid = captured(batch, tree_size, layers)
+        for width in widths:
+            report = binary_report(compile_for(fn, args, dict(meta, B_T=width)))
+            rows.append({"tree_size": tree_size, "shipped_B_T": meta["B_T"], "B_T": width, "grid": list(grid),
+                         **{k: report[k] for k in ("registers", "stack", "shared", "instructions")},
+                         "ops": dict(list(report["ops"].items())[:12])})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tree-size", default="8,64")
+    parser.add_argument("--widths", default="8,16,32,64")
+    parser.add_argument("--time", action="store_true", help="time each width on the GPU (checked first)")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", help="write the timed rows here")
+    parser.add_argument("--smoke", action="store_true", help="with --time: a dry run on the CPU (TRITON_INTERPRET=1, "
+                        "small heads, 2 layers, 2 requests; nothing worth reading in its times)")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.tree_size.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    if not args.time:
+        for r in compiled_rows(args.batch, args.layers, sizes, widths):
+            print(f"T={r['tree_size']:3d} B_T={r['B_T']:3d} (shipped {r['shipped_B_T']:3d}) registers={r['registers']} "
+                  f"stack={r['stack']} shared={r['shared']} instructions={r['instructions']}  "
+                  + " ".join(f"{k}:{v}" for k, v in r["ops"].items()))
+        return
+    timed_rows(args.batch, args.layers, sizes, widths, args.turns, args.repeats, args.json, args.smoke)
+
+
+def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats: int, path: str | None,
+               smoke: bool = False) -> list:
+    """On the GPU, per tree size: the tuned all-layer launch at each scan width (`tree_commit.SCAN_BLOCK`), the lab's
+    lean commit whose path comes from a table worked out once per launch (`commit_lean.py`, the table's launch
+    timed with it), and the copy floor (`mul_(1.0)` over the pools' bytes); every launch checked against the closed
+    form first (one that is off is reported, not timed), then ``turns`` turns in alternating order, us per layer."""
+    from bole_tune.commit_bench import CommitBench
+    from bole_tune.database import CommitKey
+    from commit_lean import copy_floor_row, launch_error, launch_us_per_layer, lean_launch
+    from lab_rows import release, save, show
+
+    device, heads, rows = ("cpu", _heads(True), []) if smoke else ("cuda", _heads(), [])
+    config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=0) if smoke else TUNED
+    for tree_size in tree_sizes:
+        bench = CommitBench(CommitKey.bucketed(heads, "bf16", tree_size, batch, layers=layers), device,
+                            most_sets=2 if smoke else None)
+        from bole_tune.config import node_block
+        kinds = {f"scan {min(w, node_block(tree_size))}": ("scan", w) for w in widths}  # the cap's effective width
+        kinds["lean table split3"] = ("lean", "split3")
+        checked = {}
+        for name, (kind, arg) in kinds.items():
+            if kind == "scan":
+                commit_module.SCAN_BLOCK = arg
+                error = bench.error(config)
+            else:
+                error = launch_error(bench, lambda *a, u=arg: lean_launch(*a, config, u))
+            commit_module.SCAN_BLOCK = None
+            show({"tree_size": tree_size, "kernel": name, "error": error}, rows)
+            if error <= 1e-4:
+                checked[name] = (kind, arg)
+        for turn in range(turns):
+            order = list(checked) if turn % 2 == 0 else list(reversed(checked))
+            for name in order:
+                kind, arg = checked[name]
+                row = {"tree_size": tree_size, "batch": batch, "layers": layers, "turn": turn, "kernel": name,
+                       "config": config.text}
+                if kind == "scan":
+                    commit_module.SCAN_BLOCK = arg
+                    row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
+                    commit_module.SCAN_BLOCK = None
+                else:
+                    row["us_per_layer"] = launch_us_per_layer(bench, lambda *a, u=arg: lean_launch(*a, config, u),
+                                                              layers, device, repeats)
+                show(row, rows)
+            copy_floor_row(heads, batch, layers, device, repeats, rows)
+        bench = None
+        release(device)
+    save(path, rows)
+    print("\nus per layer (median over turns), x copy floor")
+    for tree_size in tree_sizes:
+        floor = sorted(r["us_per_layer"] for r in rows if r.get("tree_size", tree_size) == tree_size
+                       and r.get("kernel") == "mul_ contiguous (copy floor)")
+        mine = [r for r in rows if r.get("tree_size") == tree_size and "us_per_layer" in r]
+        for name in dict.fromkeys(r["kernel"] for r in mine):
+            t = sorted(r["us_per_layer"] for r in mine if r["kernel"] == name)
+            print(f"T={tree_size:3d} {name:22s} {t[len(t) // 2]:7.2f}  {t[len(t) // 2] / floor[len(floor) // 2]:.3f}x")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
