@@ -1,7 +1,8 @@
-"""The all-layer commit's path scan, compiled for the H200 (sm_90) on a machine without a GPU: what the binary costs
+"""The all-layer commit's path scan and its first state tile, compiled for the H200 (sm_90) on a machine without a GPU: what the binary costs
 (registers, spills, instructions) with the scan's candidate block ``B_T`` at each width, for the tuned all-layer launch
 of B=16 (24 layers) at trees of 8 and 64 nodes (issue 17: 20.7 us a layer at 64-node trees against 19.6 at 8-node
-ones, the same tuned config).
+ones, the same tuned config), and with the first state tile read by pointers before the path is found, the rest by
+TMA (`tree_commit.TMA_FIRST_BY_POINTER`).
 
     python3 lab/commit_scan.py [--batch 16] [--layers 24] [--widths 8,16,32,64] [--tree-size 8,64]
     python3 lab/commit_scan.py --time --widths 16,32,64 [--json OUT]          # on the H200
@@ -70,9 +71,10 @@ def compiled_rows(batch: int, layers: int, tree_sizes, widths) -> list[dict]:
     rows = []
     for tree_size in tree_sizes:
         fn, args, meta, grid = captured(batch, tree_size, layers)
-        for width in widths:
-            report = binary_report(compile_for(fn, args, dict(meta, B_T=width)))
-            rows.append({"tree_size": tree_size, "shipped_B_T": meta["B_T"], "B_T": width, "grid": list(grid),
+        for width, first in [(w, False) for w in widths] + [(meta["B_T"], True)]:
+            report = binary_report(compile_for(fn, args, dict(meta, B_T=width, TMA_FIRST_BY_POINTER=first)))
+            rows.append({"tree_size": tree_size, "shipped_B_T": meta["B_T"], "B_T": width, "first_by_pointer": first,
+                         "grid": list(grid),
                          **{k: report[k] for k in ("registers", "stack", "shared", "instructions")},
                          "ops": dict(list(report["ops"].items())[:12])})
     return rows
@@ -95,7 +97,8 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
     if not args.time:
         for r in compiled_rows(args.batch, args.layers, sizes, widths):
-            print(f"T={r['tree_size']:3d} B_T={r['B_T']:3d} (shipped {r['shipped_B_T']:3d}) registers={r['registers']} "
+            print(f"T={r['tree_size']:3d} B_T={r['B_T']:3d} (shipped {r['shipped_B_T']:3d})"
+                  f"{' first tile by pointers' if r['first_by_pointer'] else ''} registers={r['registers']} "
                   f"stack={r['stack']} shared={r['shared']} instructions={r['instructions']}  "
                   + " ".join(f"{k}:{v}" for k, v in r["ops"].items()))
         return
@@ -120,12 +123,14 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                             most_sets=2 if smoke else None)
         from bole_tune.config import node_block
         kinds = {f"scan {min(w, node_block(tree_size))}": ("scan", w) for w in widths}  # the cap's effective width
+        kinds["tma first by pointer"] = ("first", None)
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}
         for name, (kind, arg) in kinds.items():
-            if kind == "scan":
-                commit_module.SCAN_BLOCK = arg
+            if kind in ("scan", "first"):
+                commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = arg, kind == "first"
                 error = bench.error(config)
+                commit_module.TMA_FIRST_BY_POINTER = False
             else:
                 error = launch_error(bench, lambda *a, u=arg: lean_launch(*a, config, u))
             commit_module.SCAN_BLOCK = None
@@ -138,10 +143,10 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                 kind, arg = checked[name]
                 row = {"tree_size": tree_size, "batch": batch, "layers": layers, "turn": turn, "kernel": name,
                        "config": config.text}
-                if kind == "scan":
-                    commit_module.SCAN_BLOCK = arg
+                if kind in ("scan", "first"):
+                    commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = arg, kind == "first"
                     row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
-                    commit_module.SCAN_BLOCK = None
+                    commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = None, False
                 else:
                     row["us_per_layer"] = launch_us_per_layer(bench, lambda *a, u=arg: lean_launch(*a, config, u),
                                                               layers, device, repeats)

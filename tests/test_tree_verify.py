@@ -427,7 +427,7 @@ def test_resident_self_check_passes_a_good_config(device):
         assert error <= tolerance, (deep, error, tolerance)
 
 
-@pytest.mark.parametrize("loads", ["tuned", "tma"])
+@pytest.mark.parametrize("loads", ["tuned", "tma", "tma-first-by-pointer"])
 @pytest.mark.parametrize("layers,sizes,kind", [(3, [5, 1, 9], "random"), (1, [20], "random"), (2, [18, 3], "chain")],
                          ids=["L3-B3", "L1-B1", "L2-B2-deep-chain"])
 def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, monkeypatch):
@@ -435,15 +435,17 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
     float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched
     (also for paths longer than the 16 nodes a program gathers at once). ``tma``: the state tiles read by TMA
     (two tiles a program, pipelined; on the CPU through the interpreter's tensor descriptors), the deep chain's
-    later passes reading back by pointers what the first one stored."""
+    later passes reading back by pointers what the first one stored; ``tma-first-by-pointer``: the first tile read
+    by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`)."""
     from bole_tune.config import CommitConfig
     from bole_tune.kernels import LayerResults, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
 
     config = None
-    if loads == "tma":
+    if loads != "tuned":
         monkeypatch.setattr(commit_module, "TMA_OFF_GPU", True)
+        monkeypatch.setattr(commit_module, "TMA_FIRST_BY_POINTER", loads == "tma-first-by-pointer")
         config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=1)
 
     tree = make_tree(sizes, kind, seed=31, device=device)
@@ -461,7 +463,7 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
         pools.append((x.state, x.state_indices))
         expected.append(ref.committed(x.state, x.state_indices, tree, accepted))
     states = torch.stack([p for p, _ in pools])
-    if loads == "tma":
+    if loads != "tuned":
         assert commit_module.tma_state_loads(states, config), "the TMA path must be the one under test"
     tree_commit_layers(states, pools[0][1], results, tree, accepted, config=config)
     for layer in range(layers):

@@ -72,6 +72,11 @@ SCAN_BLOCK: int | None = None
 power of two >= 16 caps it. Compiled for sm_90 at the tuned B=16 all-layer launch (`python3 lab/commit_scan.py`), a
 64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one 144 and 1848; which is faster
 is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until it is measured."""
+TMA_FIRST_BY_POINTER = False
+"""A ``tma=1`` launch's first state tile read by pointers at the program's start, as a pointer launch reads it (in
+flight while the path's dependent loads resolve), the rest by TMA: a TMA load issued there would wait for its tile
+on the spot, so the TMA launch starts its stream only once the path is known. Exact either way (the CPU tests run
+both); not measured yet (`python3 lab/commit_scan.py --time` times both on the GPU): off."""
 COMMIT_STATE_HINTS = ("evict_last", "")
 """The state tiles' cache hints: (the loads' eviction policy, the stores' cache modifier; "" for none). Each tile is
 read once and written back to the same lines; kept in L2 on the load ("evict_last"), its write lands there. Measured
@@ -97,7 +102,7 @@ def tree_commit_kernel(
     H_V: tl.constexpr, H_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
     PRODUCT: tl.constexpr = "ieee", LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
-    TMA: tl.constexpr = False, STAGES: tl.constexpr = 3,
+    TMA: tl.constexpr = False, STAGES: tl.constexpr = 3, TMA_FIRST_BY_POINTER: tl.constexpr = False,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -124,7 +129,7 @@ def tree_commit_kernel(
     slot = tl.load(state_indices_ptr + i_r).to(tl.int64)
     o_k = i_k * B_K + tl.arange(0, B_K)
     p_slab = state_ptr + slot * stride_s_slot + i_h * stride_s_h + i_span * V_SPAN * stride_s_v + o_k[None, :]
-    if TMA:
+    if TMA and not TMA_FIRST_BY_POINTER:
         b_first = 0.0
     else:
         b_first = tl.load(p_slab + tl.arange(0, B_V)[:, None] * stride_s_v, mask=commit, other=0,
@@ -142,9 +147,9 @@ def tree_commit_kernel(
             # them back by pointers after the barrier, as the pointer launch does
             row0 = ((i_l * stride_s_layer + slot * stride_s_slot + i_h * stride_s_h) // D_K
                     + i_span * V_SPAN).to(tl.int32)
-            commit_span_tma(state_desc, p_slab, row0, (i_k * B_K).to(tl.int32), rows, m_p, weight, tl.exp(logp_a),
-                            o_k, i_h, i_hk, i_span, u_ptr, k_ptr, stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN,
-                            PRODUCT, STORE_HINT, STAGES)
+            commit_span_tma(state_desc, p_slab, row0, (i_k * B_K).to(tl.int32), b_first, TMA_FIRST_BY_POINTER, rows,
+                            m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr, k_ptr, stride_s_v, H_V, H_K,
+                            D_K, D_V, B_V, V_SPAN, PRODUCT, STORE_HINT, STAGES)
         else:
             commit_span(p_slab, b_first, True, rows, m_p, weight, tl.exp(logp_a), o_k, i_h, i_hk, i_span, u_ptr,
                         k_ptr, stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
@@ -180,14 +185,24 @@ def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, de
 
 
 @triton.jit
-def commit_span_tma(state_desc, p_slab, row0, col, rows, m_p, weight, decay, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
-                    stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr, B_V: tl.constexpr,
-                    V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, STORE_HINT: tl.constexpr, STAGES: tl.constexpr):
+def commit_span_tma(state_desc, p_slab, row0, col, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, decay, o_k,
+                    i_h, i_hk, i_span, u_ptr, k_ptr, stride_s_v, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr,
+                    B_V: tl.constexpr, V_SPAN: tl.constexpr, PRODUCT: tl.constexpr, STORE_HINT: tl.constexpr,
+                    STAGES: tl.constexpr):
     """`commit_span`'s first pass with the state tiles read by TMA (``state_desc`` over the pool's ``[rows, D_K]``
-    from row ``row0``, column ``col``): a pipelined loop, ``STAGES`` tiles in flight in shared memory."""
+    from row ``row0``, column ``col``): a pipelined loop, ``STAGES`` tiles in flight in shared memory. With
+    ``HAVE_FIRST`` the first tile is ``b_first``, read by pointers before the path was found (a TMA load issued
+    there would wait for its tile on the spot), and the loop takes the rest."""
     b_k = tl.load(k_ptr + rows[:, None] * (H_K * D_K) + i_hk * D_K + o_k[None, :], mask=m_p[:, None],
                   other=0).to(tl.float32)
-    for i_c in tl.range(0, V_SPAN // B_V, num_stages=STAGES):
+    first = 0
+    if HAVE_FIRST:
+        o_c = tl.arange(0, B_V)
+        tl.store(p_slab + o_c[:, None] * stride_s_v,
+                 commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
+                             PRODUCT), cache_modifier=STORE_HINT)
+        first = 1
+    for i_c in tl.range(first, V_SPAN // B_V, num_stages=STAGES):
         o_c = i_c * B_V + tl.arange(0, B_V)
         b_s = state_desc.load([row0 + i_c * B_V, col])
         tl.store(p_slab + o_c[:, None] * stride_s_v,
@@ -353,12 +368,12 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
         block = min(block, SCAN_BLOCK)
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-           k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, misaligned(pointers, reduce(or_, pointers)),
+           k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, tma and TMA_FIRST_BY_POINTER, misaligned(pointers, reduce(or_, pointers)),
            *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, (desc, *pointers, *scalars), lambda: (desc, *tensors, *scalars), lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
         PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], TMA=tma,
-        STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages))
+        TMA_FIRST_BY_POINTER=tma and TMA_FIRST_BY_POINTER, STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages))
 
 
 TMA_MAX_BOX = 256  # a TMA copy's box: at most 256 elements along each dimension
