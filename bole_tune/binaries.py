@@ -1,4 +1,5 @@
-"""The verifier's launches compiled for the H200 (sm_90) on a machine without a GPU, and what their binaries cost.
+"""The verifier's and the commit's launches compiled for the H200 (sm_90) on a machine without a GPU, and what their
+binaries cost.
 
 CI has no GPU: its tests run the kernels under ``TRITON_INTERPRET=1``, which proves what they compute but never runs
 Triton's compiler, so a kernel change that the interpreter accepts and the compiler rejects (or that no longer fits
@@ -8,6 +9,7 @@ wheel, so the launches `tree_verify` would run can be compiled for sm_90 here: t
 Gram products, tf32 dot precision: the interpreter's fp32 is a CPU-only choice), then compiled and read back.
 
     python -m bole_tune.binaries [--json]     # the shipped database's launches at the issue-17 shapes
+    python -m bole_tune.binaries --commits    # every distinct commit launch of the shipped database, and its switches
 
 It must run in a process without ``TRITON_INTERPRET`` (the interpreter replaces every ``@triton.jit`` function at
 import time); `tests/test_binaries.py` starts it that way. Static counts only: what an instruction costs is measured
@@ -34,9 +36,10 @@ from triton.runtime.jit import create_function_from_signature
 
 from bole_tune import database
 from bole_tune.bench import BenchCase, CaseBench
+from bole_tune.config import CommitConfig, node_block
 from bole_tune.database import ShapeKey
 from bole_tune.lookup import decide
-from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, tree_bucket
+from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, torch_dtype, tree_bucket
 
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H200 = GPUTarget("cuda", 90, 32)
@@ -202,15 +205,117 @@ def shipped_binaries(cases=SHIPPED_CASES) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class CommitCase:
+    """A commit launch: ``layers`` 1 is `tree_commit`'s, more `tree_commit_layers`'s (one binary serves every layer
+    count above 1 and every batch: neither is specialised); ``scan_block`` and ``first_by_pointer`` set the
+    commit's switches (`tree_commit.SCAN_BLOCK`, `tree_commit.TMA_FIRST_BY_POINTER`) for this launch."""
+
+    name: str
+    heads: HeadShape
+    dtype: str
+    tree_size: int
+    layers: int
+    config: CommitConfig
+    scan_block: int | None = None
+    first_by_pointer: bool = False
+
+
+COMMIT_SWITCH_CASES = (
+    CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16),
+    CommitCase("B16-T64-L24-first-by-pointer", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
+               first_by_pointer=True),
+)
+
+
+def commit_entry_cases(slug: str = "nvidia-h200") -> list[CommitCase]:
+    """One case per distinct commit binary among the shipped database's ``commit_configs`` for ``slug``: a binary
+    depends on the config, the heads, the dtype, the node block (the tree bucket's) and whether one layer or more is
+    committed, not on the batch."""
+    data = database.load(database.SHIPPED_DIR / f"{slug}.yaml")
+    cases = {}
+    for name, entry in sorted(data["commit_configs"].items()):
+        k = entry["key"]
+        heads = HeadShape(hk=k["hk"], hv=k["hv"], dk=k["dk"], dv=k["dv"])
+        config = CommitConfig(**entry["config"])
+        binary = (heads, k["dtype"], node_block(k["tree_bucket"]), k["layers"] > 1, config)
+        cases.setdefault(binary, CommitCase(name, heads, k["dtype"], k["tree_bucket"], k["layers"], config))
+    return list(cases.values())
+
+
+def captured_commit(case: CommitCase) -> tuple:
+    """(kernel, arguments, meta-parameters, grid) of ``case``'s launch, captured where the launcher would start it
+    from a CPU call with CPU tensors of the launch's dtypes and alignments (nothing runs), TMA loads built as on an
+    sm_90 GPU (`tree_commit.TMA_OFF_GPU`)."""
+    from bole_tune.kernels import LayerResults, tree_commit, tree_commit_layers
+    from bole_tune.kernels.verify import tree_commit as commit_module
+    from bole_tune.tree import TreeBatch
+
+    captured = {}
+
+    def capture(key, grid, fast_args, build_args, build_meta):
+        captured.update(args=build_args(), meta=build_meta(), grid=grid)
+
+    h, dtype = case.heads, torch_dtype(case.dtype)
+    tree = TreeBatch.from_parents([[-1] + list(range(case.tree_size - 1))], device="cpu")  # one request
+    layers = 1 if case.layers == 1 else 2  # the layer count is a grid size, not a kernel argument
+    states = torch.empty(layers, 2, h.hv, h.dv, h.dk)
+    results = LayerResults.empty(layers, tree, h, dtype, "cpu")
+    slots, accepted = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    saved = (commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU,
+             commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER)
+    commit_module.COMMIT.launch_keyed, commit_module.use_triton = capture, (lambda device: True)
+    commit_module.TMA_OFF_GPU, commit_module.SCAN_BLOCK = True, case.scan_block
+    commit_module.TMA_FIRST_BY_POINTER = case.first_by_pointer
+    try:
+        if case.layers == 1:
+            tree_commit(states[0], slots, results.layer(0, tree), accepted, validate=False, config=case.config)
+        else:
+            tree_commit_layers(states, slots, results, tree, accepted, validate=False, config=case.config)
+    finally:
+        (commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU,
+         commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER) = saved
+    if not captured:
+        raise RuntimeError(f"{case.name}: the commit launched nothing to capture")
+    return commit_module.tree_commit_kernel, captured["args"], captured["meta"], captured["grid"]
+
+
+def commit_binaries(cases) -> list[dict]:
+    """Each commit case compiled for sm_90, with its `binary_report` and the switches its meta-parameters show."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    rows = []
+    for case in cases:
+        fn, args, meta, grid = captured_commit(case)
+        rows.append({"case": case.name, "config": case.config.text, "layers": case.layers,
+                     "tree_size": case.tree_size, "B_T": meta["B_T"], "tma": bool(meta["TMA"]),
+                     "first_by_pointer": bool(meta["TMA_FIRST_BY_POINTER"]), "product": meta["PRODUCT"],
+                     **binary_report(compile_for(fn, args, meta))})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--every-entry", action="store_true",
                         help="every verify entry of the shipped database instead of the issue-17 shapes")
+    parser.add_argument("--commits", action="store_true",
+                        help="every distinct commit launch of the shipped database and the commit's switches instead")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
+    if args.commits:
+        rows = commit_binaries([*commit_entry_cases(), *COMMIT_SWITCH_CASES])
+        if args.json:
+            print(json.dumps(rows))
+            return
+        for r in rows:
+            print(f"{r['case']:40s} {r['config']:20s} B_T={r['B_T']:<3d} tma={r['tma']!s:5s} "
+                  f"first_by_pointer={r['first_by_pointer']!s:5s} registers={r['registers']} stack={r['stack']} "
+                  f"shared={r['shared']} instructions={r['instructions']}")
+        return
     rows = shipped_binaries(entry_cases() if args.every_entry else SHIPPED_CASES)
     if args.json:
         print(json.dumps(rows))

@@ -1,4 +1,4 @@
-"""The shipped database's verify launches compiled for the H200 (sm_90) on this machine, GPU or not
+"""The shipped database's verify and commit launches compiled for the H200 (sm_90) on this machine, GPU or not
 (`bole_tune.binaries`): the interpreter proves what the kernels compute, this proves Triton's real compiler takes
 them and that they fit an SM."""
 
@@ -93,3 +93,27 @@ def test_an_interpreted_process_is_refused_with_a_reason():
                           timeout=300)
     assert done.returncode == 2
     assert "TRITON_INTERPRET" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
+    """Each distinct commit binary the shipped database can hand `tree_commit` / `tree_commit_layers` (config, heads,
+    dtype, node block, one layer or more), and the commit's switches, compiled for sm_90 as the GPU builds them: the
+    database's ``tma=1`` entries read by TMA, 16-bit keys' product in two tf32 pieces, the scan as wide as the node
+    block unless capped."""
+    from bole_tune.config import node_block
+
+    rows = _compiled("--commits")
+    cases = binaries.commit_entry_cases()
+    assert set(rows) == {c.name for c in cases} | {c.name for c in binaries.COMMIT_SWITCH_CASES}
+    assert len(cases) < len(database.load(database.SHIPPED_DIR / "nvidia-h200.yaml")["commit_configs"])  # shared
+    _fits_an_sm(rows)
+    for case in cases:
+        row = rows[case.name]
+        assert row["tma"] is bool(case.config.tma), case.name
+        assert row["B_T"] == node_block(case.tree_size) and not row["first_by_pointer"], case.name
+        assert row["product"] == "split2", case.name
+    scan, first = rows["B16-T64-L24-scan16"], rows["B16-T64-L24-first-by-pointer"]
+    assert scan["B_T"] == 16 and first["B_T"] == 64 and first["first_by_pointer"] and first["tma"]
+    shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config at the node block's scan
+    assert shipped["config"] == scan["config"] == first["config"] and shipped["B_T"] == 64
+    assert scan["instructions"] < shipped["instructions"] < first["instructions"]
