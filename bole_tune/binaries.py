@@ -1,5 +1,5 @@
-"""The verifier's and the commit's launches compiled for the H200 (sm_90) on a machine without a GPU, and what their
-binaries cost.
+"""The verifier's, the commit's and the other kernels' launches compiled for the H200 (sm_90) on a machine without a
+GPU, and what their binaries cost.
 
 CI has no GPU: its tests run the kernels under ``TRITON_INTERPRET=1``, which proves what they compute but never runs
 Triton's compiler, so a kernel change that the interpreter accepts and the compiler rejects (or that no longer fits
@@ -10,6 +10,7 @@ Gram products, tf32 dot precision: the interpreter's fp32 is a CPU-only choice),
 
     python -m bole_tune.binaries [--json]     # the shipped database's launches at the issue-17 shapes
     python -m bole_tune.binaries --commits    # every distinct commit launch of the shipped database, and its switches
+    python -m bole_tune.binaries --others     # the other kernels an engine launches (tree build, gates, conv, ...)
 
 It must run in a process without ``TRITON_INTERPRET`` (the interpreter replaces every ``@triton.jit`` function at
 import time); `tests/test_binaries.py` starts it that way. Static counts only: what an instruction costs is measured
@@ -295,6 +296,75 @@ def commit_binaries(cases) -> list[dict]:
     return rows
 
 
+def _small_launches() -> dict:
+    """Each of the other kernels' launches as an engine's call makes it (9B heads, bf16, 16 requests of 8-node trees),
+    captured where it would start (nothing runs): ``{name: (kernel, arguments, meta-parameters)}``. The calls run with
+    ``TRITON_INTERPRET=1`` set for their duration only, so that their wrappers take the Triton path on CPU tensors;
+    the kernels themselves were made by this process without it (compilable functions)."""
+    from triton.runtime.jit import JITFunction
+
+    from bole_tune.kernels import PendingPaths, PendingRing, gdn_gates, serial_verify, tree_conv, tree_conv_commit
+    from bole_tune.kernels.launcher import FastLauncher
+    from bole_tune.kernels.tree_build import build_tree_tables
+    from bole_tune.workloads import make_inputs, make_tree
+
+    captured, current = {}, [None]
+
+    def keep(fn, args, meta):
+        captured.setdefault(current[0], (fn, tuple(args), dict(meta)))
+
+    saved = (FastLauncher.__call__, FastLauncher.launch_keyed, JITFunction.run, os.environ.get("TRITON_INTERPRET"))
+    FastLauncher.__call__ = lambda self, grid, *args, **meta: keep(self.fn, args, meta)
+    FastLauncher.launch_keyed = lambda self, key, grid, fast, args, meta: keep(self.fn, args(), meta())
+    JITFunction.run = lambda self, *args, grid, warmup, **meta: keep(self, args, meta)
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        tree = make_tree([8] * 16, "random", max_depth=8, seed=5, device="cpu")
+        h = HEADS_9B
+        x = make_inputs(tree, h.hk, h.hv, h.dk, h.dv, torch.bfloat16, "cpu", seed=5)
+        accepted = torch.full((16,), 3, dtype=torch.int32)
+        channels, width = 2 * h.hk * h.dk + h.hv * h.dv, 4
+        conv_x = torch.empty(tree.num_nodes, channels, dtype=torch.bfloat16)
+        conv_state = torch.empty(32, channels, width - 1, dtype=torch.bfloat16)
+        ring = PendingRing(x.state.shape[0], 3, tree.depth + 1, tree.num_nodes, 16, "cpu")
+        calls = {
+            "serial_verify": lambda: serial_verify(*x.args(tree), validate=False),
+            "pending_path_rows": lambda: PendingPaths(tree, accepted, torch.arange(16, dtype=torch.int32)),
+            "ring_append": lambda: ring.end(ring.begin(tree), x.state_indices, accepted, validate=False),
+            "tree_build": lambda: build_tree_tables(torch.zeros(16, 8, dtype=torch.int32)),
+            "gdn_gates": lambda: gdn_gates(torch.empty(tree.num_nodes, h.hv, dtype=torch.bfloat16),
+                                           torch.empty(tree.num_nodes, h.hv, dtype=torch.bfloat16),
+                                           torch.zeros(h.hv), torch.zeros(h.hv), validate=False),
+            "tree_conv": lambda: tree_conv(conv_x, conv_state, torch.empty(channels, width, dtype=torch.bfloat16),
+                                           x.state_indices, tree, validate=False),
+            "tree_conv_commit": lambda: tree_conv_commit(conv_state, x.state_indices, conv_x, tree, accepted,
+                                                         validate=False),
+        }
+        for name, call in calls.items():
+            current[0] = name
+            call()
+    finally:
+        FastLauncher.__call__, FastLauncher.launch_keyed, JITFunction.run = saved[:3]
+        if saved[3] is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[3]
+    missing = set(calls) - set(captured)
+    if missing:
+        raise RuntimeError(f"launched nothing to capture: {', '.join(sorted(missing))}")
+    return captured
+
+
+def small_binaries() -> list[dict]:
+    """The other kernels (serial verify, path table, ring append, tree build, gates, convolution and its commit)
+    compiled for sm_90, with their `binary_report`."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    return [{"case": name, "kernel": fn.__name__, **binary_report(compile_for(fn, args, meta))}
+            for name, (fn, args, meta) in _small_launches().items()]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -302,10 +372,21 @@ def main(argv=None) -> None:
                         help="every verify entry of the shipped database instead of the issue-17 shapes")
     parser.add_argument("--commits", action="store_true",
                         help="every distinct commit launch of the shipped database and the commit's switches instead")
+    parser.add_argument("--others", action="store_true",
+                        help="the other kernels (serial verify, path table, ring append, tree build, gates, convolution)")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
+    if args.others:
+        rows = small_binaries()
+        if args.json:
+            print(json.dumps(rows))
+            return
+        for r in rows:
+            print(f"{r['case']:20s} {r['kernel']:28s} registers={r['registers']} stack={r['stack']} "
+                  f"shared={r['shared']} instructions={r['instructions']}")
+        return
     if args.commits:
         rows = commit_binaries([*commit_entry_cases(), *COMMIT_SWITCH_CASES])
         if args.json:

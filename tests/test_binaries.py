@@ -1,6 +1,6 @@
-"""The shipped database's verify and commit launches compiled for the H200 (sm_90) on this machine, GPU or not
-(`bole_tune.binaries`): the interpreter proves what the kernels compute, this proves Triton's real compiler takes
-them and that they fit an SM."""
+"""The shipped database's verify and commit launches and the other kernels compiled for the H200 (sm_90) on this
+machine, GPU or not (`bole_tune.binaries`): the interpreter proves what the kernels compute, this proves Triton's real
+compiler takes them and that they fit an SM."""
 
 from __future__ import annotations
 
@@ -117,3 +117,14 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
     shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config at the node block's scan
     assert shipped["config"] == scan["config"] == first["config"] and shipped["B_T"] == 64
     assert scan["instructions"] < shipped["instructions"] < first["instructions"]
+
+
+def test_the_other_kernels_an_engine_launches_compile_and_fit_an_sm():
+    """The serial verify, the pending paths' table, the ring's append, the tree build, the gates and the convolution
+    and its commit, each captured from the call an engine makes and compiled for sm_90."""
+    rows = _compiled("--others")
+    assert {name: row["kernel"] for name, row in rows.items()} == {
+        "serial_verify": "serial_verify_kernel", "pending_path_rows": "pending_path_rows_kernel",
+        "ring_append": "ring_append_kernel", "tree_build": "tree_build_kernel", "gdn_gates": "gdn_gates_kernel",
+        "tree_conv": "tree_conv_kernel", "tree_conv_commit": "tree_conv_commit_kernel"}
+    _fits_an_sm(rows)
