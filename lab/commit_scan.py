@@ -26,9 +26,7 @@ if "--time" not in sys.argv:
 import torch  # noqa: E402
 
 from bole_tune.config import CommitConfig  # noqa: E402
-from bole_tune.kernels import LayerResults, tree_commit_layers, tree_verify  # noqa: E402
 from bole_tune.kernels.verify import tree_commit as commit_module  # noqa: E402
-from bole_tune.workloads import make_inputs, make_tree  # noqa: E402
 
 TUNED = CommitConfig(b_k=128, b_v=16, v_span=128, num_warps=2, num_stages=3, tma=1)  # B=16, L=24, every tree bucket
 
@@ -38,43 +36,19 @@ def _heads(smoke: bool = False):
     return HeadShape(hk=1, hv=2, dk=32, dv=32) if smoke else HeadShape(hk=16, hv=32, dk=128, dv=128)
 
 
-def captured(batch: int, tree_size: int, layers: int):
-    """(kernel, arguments, meta, grid) of the tuned all-layer launch, captured from a CPU call (nothing runs)."""
-    got = {}
-
-    def capture(key, grid, fast_args, build_args, build_meta):
-        got.update(args=build_args(), meta=build_meta(), grid=grid)
-
-    tree = make_tree([tree_size] * batch, "chain" if tree_size <= 8 else "random", max_depth=8, seed=3, device="cpu")
-    h = _heads()
-    states = torch.zeros(layers, batch, h.hv, h.dv, h.dk)
-    results = LayerResults.empty(layers, tree, h, torch.bfloat16, "cpu")
-    accepted = torch.zeros(batch, dtype=torch.int32)
-    slots = torch.arange(batch, dtype=torch.int32)
-    original, use, off_gpu = commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU
-    commit_module.COMMIT.launch_keyed, commit_module.use_triton = capture, (lambda device: True)
-    commit_module.TMA_OFF_GPU = True  # the launch as an sm_90 GPU builds it: the pool's descriptor, TMA loads
-    try:
-        tree_commit_layers(states, slots, results, tree, accepted, validate=False, config=TUNED)
-    finally:
-        commit_module.COMMIT.launch_keyed, commit_module.use_triton = original, use
-        commit_module.TMA_OFF_GPU = off_gpu
-    return commit_module.tree_commit_kernel, got["args"], got["meta"], got["grid"]
-
-
 def compiled_rows(batch: int, layers: int, tree_sizes, widths) -> list[dict]:
-    from bole_tune.binaries import binary_report, compile_for, unavailable
+    from bole_tune.binaries import CommitCase, binary_report, captured_commit, compile_for, unavailable
 
     reason = unavailable()
     if reason:
         raise SystemExit(f"cannot compile here: {reason}")
     rows = []
     for tree_size in tree_sizes:
-        fn, args, meta, grid = captured(batch, tree_size, layers)
+        # the tuned all-layer launch, captured from a CPU call (nothing runs); the batch is not specialised
+        fn, args, meta, grid = captured_commit(CommitCase("tuned", _heads(), "bf16", tree_size, layers, TUNED))
         for width, first in [(w, False) for w in widths] + [(meta["B_T"], True)]:
             report = binary_report(compile_for(fn, args, dict(meta, B_T=width, TMA_FIRST_BY_POINTER=first)))
             rows.append({"tree_size": tree_size, "shipped_B_T": meta["B_T"], "B_T": width, "first_by_pointer": first,
-                         "grid": list(grid),
                          **{k: report[k] for k in ("registers", "stack", "shared", "instructions")},
                          "ops": dict(list(report["ops"].items())[:12])})
     return rows
