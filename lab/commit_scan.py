@@ -95,8 +95,7 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
     for tree_size in tree_sizes:
         bench = CommitBench(CommitKey.bucketed(heads, "bf16", tree_size, batch, layers=layers), device,
                             most_sets=2 if smoke else None)
-        from bole_tune.config import node_block
-        kinds = {f"scan {min(w, node_block(tree_size))}": ("scan", w) for w in widths}  # the cap's effective width
+        kinds = {f"scan {w}": ("scan", w) for w in widths}
         kinds["tma first by pointer"] = ("first", None)
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}

@@ -470,11 +470,11 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
 
 
-@pytest.mark.parametrize("scan", [None, 16, 32])
+@pytest.mark.parametrize("scan", [None, 16, 32, 128])
 def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
-    """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`
-    caps the tree's node block, 64 here): at every width the committed slots equal the float64 reference, for
-    accepted nodes in the first, a middle and the last scan step, and -1."""
+    """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`, else
+    the tree's node block, 64 here): at every width the committed slots equal the float64 reference, for accepted
+    nodes in the first, a middle and the last scan step, and -1; a scan wider than the trees (128) too."""
     from bole_tune.kernels import LayerResults, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape

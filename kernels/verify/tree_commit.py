@@ -68,8 +68,8 @@ far fewer registers, so more programs stream per SM: the all-layer commit 10-12%
 values: their commits use fp32 FMAs."""
 SCAN_BLOCK: int | None = None
 """Candidates one step of the commit's path scan looks at (`blocks.path_factors`: ``accepted // B_T + 1`` steps of a
-``[16, B_T]`` compare, the same path at every width): None, the tree's node block (16-64, `config.node_block`); a
-power of two >= 16 caps it. Compiled for sm_90 at the tuned B=16 all-layer launch (`python3 lab/commit_scan.py`), a
+``[16, B_T]`` compare, the same path at every width): None, the tree's node block (16-64, `config.node_block`); else
+that power of two >= 16, wider or narrower than the tree. Compiled for sm_90 at the tuned B=16 all-layer launch (`python3 lab/commit_scan.py`), a
 64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one 144 and 1848; which is faster
 is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until it is measured."""
 TMA_FIRST_BY_POINTER = False
@@ -365,7 +365,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
     if SCAN_BLOCK is not None:
-        block = min(block, SCAN_BLOCK)
+        block = SCAN_BLOCK
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
            k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, tma and TMA_FIRST_BY_POINTER, misaligned(pointers, reduce(or_, pointers)),
