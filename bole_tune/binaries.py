@@ -373,7 +373,8 @@ def main(argv=None) -> None:
     parser.add_argument("--commits", action="store_true",
                         help="every distinct commit launch of the shipped database and the commit's switches instead")
     parser.add_argument("--others", action="store_true",
-                        help="the other kernels (serial verify, path table, ring append, tree build, gates, convolution)")
+                        help="the other kernels (serial verify, path table, ring append, tree build, gates, "
+                        "convolution)")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:

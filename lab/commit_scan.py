@@ -1,8 +1,8 @@
-"""The all-layer commit's path scan and its first state tile, compiled for the H200 (sm_90) on a machine without a GPU: what the binary costs
-(registers, spills, instructions) with the scan's candidate block ``B_T`` at each width, for the tuned all-layer launch
-of B=16 (24 layers) at trees of 8 and 64 nodes (issue 17: 20.7 us a layer at 64-node trees against 19.6 at 8-node
-ones, the same tuned config), and with the first state tile read by pointers before the path is found, the rest by
-TMA (`tree_commit.TMA_FIRST_BY_POINTER`).
+"""The all-layer commit's path scan and its first state tile, compiled for the H200 (sm_90) on a machine without a
+GPU: what the binary costs (registers, spills, instructions) with the scan's candidate block ``B_T`` at each width
+(`tree_commit.SCAN_BLOCK`), for the tuned all-layer launch of B=16 (24 layers) at trees of 8 and 64 nodes (issue 17:
+20.7 us a layer at 64-node trees against 19.6 at 8-node ones, the same tuned config), and with the first state tile
+read by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`).
 
     python3 lab/commit_scan.py [--batch 16] [--layers 24] [--widths 8,16,32,64] [--tree-size 8,64]
     python3 lab/commit_scan.py --time --widths 16,32,64 [--json OUT]          # on the H200

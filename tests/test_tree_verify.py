@@ -497,6 +497,12 @@ def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
     tree_commit_layers(states, pools[0][1], results, tree, accepted)
     for layer in range(2):
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
+    if scan == 32:  # a width the kernel cannot take is refused by name before anything runs
+        monkeypatch.setattr(commit_module, "SCAN_BLOCK", 24)
+        before = states.clone()
+        with pytest.raises(ValueError, match="SCAN_BLOCK: expected None or a power of two >= 16, got 24"):
+            tree_commit_layers(states, pools[0][1], results, tree, accepted)
+        assert torch.equal(states, before)
 
 
 EXTREME_GATES = {

@@ -69,9 +69,10 @@ values: their commits use fp32 FMAs."""
 SCAN_BLOCK: int | None = None
 """Candidates one step of the commit's path scan looks at (`blocks.path_factors`: ``accepted // B_T + 1`` steps of a
 ``[16, B_T]`` compare, the same path at every width): None, the tree's node block (16-64, `config.node_block`); else
-that power of two >= 16, wider or narrower than the tree. Compiled for sm_90 at the tuned B=16 all-layer launch (`python3 lab/commit_scan.py`), a
-64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one 144 and 1848; which is faster
-is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until it is measured."""
+that power of two >= 16, wider or narrower than the tree. Compiled for sm_90 at the tuned B=16 all-layer launch
+(`python3 lab/commit_scan.py`), a 64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one
+144 and 1848; which is faster is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until
+it is measured."""
 TMA_FIRST_BY_POINTER = False
 """A ``tma=1`` launch's first state tile read by pointers at the program's start, as a pointer launch reads it (in
 flight while the path's dependent loads resolve), the rest by TMA: a TMA load issued there would wait for its tile
@@ -365,15 +366,18 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
     block = node_block(tree.max_tree_size)
     if SCAN_BLOCK is not None:
+        if type(SCAN_BLOCK) is not int or SCAN_BLOCK < 16 or SCAN_BLOCK & (SCAN_BLOCK - 1):
+            raise ValueError(f"tree_commit.SCAN_BLOCK: expected None or a power of two >= 16, got {SCAN_BLOCK!r}")
         block = SCAN_BLOCK
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
-           k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, tma and TMA_FIRST_BY_POINTER, misaligned(pointers, reduce(or_, pointers)),
-           *state_strides, *layer_strides)
+           k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, tma and TMA_FIRST_BY_POINTER,
+           misaligned(pointers, reduce(or_, pointers)), *state_strides, *layer_strides)
     COMMIT.launch_keyed(key, grid, (desc, *pointers, *scalars), lambda: (desc, *tensors, *scalars), lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
         PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], TMA=tma,
-        TMA_FIRST_BY_POINTER=tma and TMA_FIRST_BY_POINTER, STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages))
+        TMA_FIRST_BY_POINTER=tma and TMA_FIRST_BY_POINTER, STAGES=config.num_stages, num_warps=config.num_warps,
+        num_stages=config.num_stages))
 
 
 TMA_MAX_BOX = 256  # a TMA copy's box: at most 256 elements along each dimension
