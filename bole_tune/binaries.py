@@ -209,8 +209,9 @@ def shipped_binaries(cases=SHIPPED_CASES) -> list[dict]:
 @dataclass(frozen=True)
 class CommitCase:
     """A commit launch: ``layers`` 1 is `tree_commit`'s, more `tree_commit_layers`'s (one binary serves every layer
-    count above 1 and every batch: neither is specialised); ``scan_block`` and ``first_by_pointer`` set the
-    commit's switches (`tree_commit.SCAN_BLOCK`, `tree_commit.TMA_FIRST_BY_POINTER`) for this launch."""
+    count above 1 and every batch: neither is specialised); ``scan_block``, ``first_by_pointer`` and ``path_table``
+    set the commit's switches (`tree_commit.SCAN_BLOCK`, `tree_commit.TMA_FIRST_BY_POINTER`,
+    `tree_commit.PATH_TABLE_MIN_BLOCK`) for this launch."""
 
     name: str
     heads: HeadShape
@@ -220,12 +221,15 @@ class CommitCase:
     config: CommitConfig
     scan_block: int | None = None
     first_by_pointer: bool = False
+    path_table: bool = False
 
 
 COMMIT_SWITCH_CASES = (
     CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16),
     CommitCase("B16-T64-L24-first-by-pointer", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
                first_by_pointer=True),
+    CommitCase("B16-T64-L24-path-table", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
+               path_table=True),
 )
 
 
@@ -250,6 +254,7 @@ def captured_commit(case: CommitCase) -> tuple:
     sm_90 GPU (`tree_commit.TMA_OFF_GPU`)."""
     from bole_tune.kernels import LayerResults, tree_commit, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
+    from bole_tune.kernels.verify.pending import path_width
     from bole_tune.tree import TreeBatch
 
     captured = {}
@@ -264,10 +269,15 @@ def captured_commit(case: CommitCase) -> tuple:
     results = LayerResults.empty(layers, tree, h, dtype, "cpu")
     slots, accepted = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     saved = (commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU,
-             commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER)
+             commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK,
+             commit_module.pending_path_rows)
     commit_module.COMMIT.launch_keyed, commit_module.use_triton = capture, (lambda device: True)
     commit_module.TMA_OFF_GPU, commit_module.SCAN_BLOCK = True, case.scan_block
     commit_module.TMA_FIRST_BY_POINTER = case.first_by_pointer
+    commit_module.PATH_TABLE_MIN_BLOCK = 16 if case.path_table else None
+    # the table as its own launch would make it (its kernel is compiled with `small_binaries`)
+    commit_module.pending_path_rows = lambda tree, accepted, request_map: torch.full(
+        (len(request_map), path_width(tree)), -1, dtype=torch.int32)
     try:
         if case.layers == 1:
             tree_commit(states[0], slots, results.layer(0, tree), accepted, validate=False, config=case.config)
@@ -275,7 +285,8 @@ def captured_commit(case: CommitCase) -> tuple:
             tree_commit_layers(states, slots, results, tree, accepted, validate=False, config=case.config)
     finally:
         (commit_module.COMMIT.launch_keyed, commit_module.use_triton, commit_module.TMA_OFF_GPU,
-         commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER) = saved
+         commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK,
+         commit_module.pending_path_rows) = saved
     if not captured:
         raise RuntimeError(f"{case.name}: the commit launched nothing to capture")
     return commit_module.tree_commit_kernel, captured["args"], captured["meta"], captured["grid"]
@@ -291,7 +302,8 @@ def commit_binaries(cases) -> list[dict]:
         fn, args, meta, grid = captured_commit(case)
         rows.append({"case": case.name, "config": case.config.text, "layers": case.layers,
                      "tree_size": case.tree_size, "B_T": meta["B_T"], "tma": bool(meta["TMA"]),
-                     "first_by_pointer": bool(meta["TMA_FIRST_BY_POINTER"]), "product": meta["PRODUCT"],
+                     "first_by_pointer": bool(meta["TMA_FIRST_BY_POINTER"]), "path_table": bool(meta["PATH_TABLE"]),
+                     "product": meta["PRODUCT"],
                      **binary_report(compile_for(fn, args, meta))})
     return rows
 
@@ -395,7 +407,8 @@ def main(argv=None) -> None:
             return
         for r in rows:
             print(f"{r['case']:40s} {r['config']:20s} B_T={r['B_T']:<3d} tma={r['tma']!s:5s} "
-                  f"first_by_pointer={r['first_by_pointer']!s:5s} registers={r['registers']} stack={r['stack']} "
+                  f"first_by_pointer={r['first_by_pointer']!s:5s} path_table={r['path_table']!s:5s} "
+                  f"registers={r['registers']} stack={r['stack']} "
                   f"shared={r['shared']} instructions={r['instructions']}")
         return
     rows = shipped_binaries(entry_cases() if args.every_entry else SHIPPED_CASES)

@@ -2,7 +2,8 @@
 GPU: what the binary costs (registers, spills, instructions) with the scan's candidate block ``B_T`` at each width
 (`tree_commit.SCAN_BLOCK`), for the tuned all-layer launch of B=16 (24 layers) at trees of 8 and 64 nodes (issue 17:
 20.7 us a layer at 64-node trees against 19.6 at 8-node ones, the same tuned config), and with the first state tile
-read by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`).
+read by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`), and with each
+request's path read from a table worked out once per launch (`tree_commit.PATH_TABLE_MIN_BLOCK`).
 
     python3 lab/commit_scan.py [--batch 16] [--layers 24] [--widths 8,16,32,64] [--tree-size 8,64]
     python3 lab/commit_scan.py --time --widths 16,32,64 [--json OUT]          # on the H200
@@ -46,9 +47,12 @@ def compiled_rows(batch: int, layers: int, tree_sizes, widths) -> list[dict]:
     for tree_size in tree_sizes:
         # the tuned all-layer launch, captured from a CPU call (nothing runs); the batch is not specialised
         fn, args, meta, grid = captured_commit(CommitCase("tuned", _heads(), "bf16", tree_size, layers, TUNED))
-        for width, first in [(w, False) for w in widths] + [(meta["B_T"], True)]:
-            report = binary_report(compile_for(fn, args, dict(meta, B_T=width, TMA_FIRST_BY_POINTER=first)))
+        for width, first, table in ([(w, False, False) for w in widths] + [(meta["B_T"], True, False)]
+                                    + [(meta["B_T"], False, True)]):
+            report = binary_report(compile_for(fn, args, dict(meta, B_T=width, TMA_FIRST_BY_POINTER=first,
+                                                              PATH_TABLE=table)))
             rows.append({"tree_size": tree_size, "shipped_B_T": meta["B_T"], "B_T": width, "first_by_pointer": first,
+                         "path_table": table,
                          **{k: report[k] for k in ("registers", "stack", "shared", "instructions")},
                          "ops": dict(list(report["ops"].items())[:12])})
     return rows
@@ -72,11 +76,20 @@ def main() -> None:
     if not args.time:
         for r in compiled_rows(args.batch, args.layers, sizes, widths):
             print(f"T={r['tree_size']:3d} B_T={r['B_T']:3d} (shipped {r['shipped_B_T']:3d})"
-                  f"{' first tile by pointers' if r['first_by_pointer'] else ''} registers={r['registers']} "
+                  f"{' first tile by pointers' if r['first_by_pointer'] else ''}"
+                  f"{' path from a table' if r['path_table'] else ''} registers={r['registers']} "
                   f"stack={r['stack']} shared={r['shared']} instructions={r['instructions']}  "
                   + " ".join(f"{k}:{v}" for k, v in r["ops"].items()))
         return
     timed_rows(args.batch, args.layers, sizes, widths, args.turns, args.repeats, args.json, args.smoke)
+
+
+def switches(kind: str | None, width: int | None) -> None:
+    """Set the commit's switches for one kind of row ("scan": the scan at ``width``; "first": the first tile by
+    pointers; "table": the path from a table), or back to the shipped ones (None)."""
+    commit_module.SCAN_BLOCK = width if kind == "scan" else None
+    commit_module.TMA_FIRST_BY_POINTER = kind == "first"
+    commit_module.PATH_TABLE_MIN_BLOCK = 16 if kind == "table" else None
 
 
 def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats: int, path: str | None,
@@ -97,13 +110,14 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                             most_sets=2 if smoke else None)
         kinds = {f"scan {w}": ("scan", w) for w in widths}
         kinds["tma first by pointer"] = ("first", None)
+        kinds["path table"] = ("table", None)
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}
         for name, (kind, arg) in kinds.items():
-            if kind in ("scan", "first"):
-                commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = arg, kind == "first"
+            if kind in ("scan", "first", "table"):
+                switches(kind, arg)
                 error = bench.error(config)
-                commit_module.TMA_FIRST_BY_POINTER = False
+                switches(None, None)
             else:
                 error = launch_error(bench, lambda *a, u=arg: lean_launch(*a, config, u))
             commit_module.SCAN_BLOCK = None
@@ -116,10 +130,10 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                 kind, arg = checked[name]
                 row = {"tree_size": tree_size, "batch": batch, "layers": layers, "turn": turn, "kernel": name,
                        "config": config.text}
-                if kind in ("scan", "first"):
-                    commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = arg, kind == "first"
+                if kind in ("scan", "first", "table"):
+                    switches(kind, arg)
                     row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
-                    commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER = None, False
+                    switches(None, None)
                 else:
                     row["us_per_layer"] = launch_us_per_layer(bench, lambda *a, u=arg: lean_launch(*a, config, u),
                                                               layers, device, repeats)

@@ -111,9 +111,13 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
         row = rows[case.name]
         assert row["tma"] is bool(case.config.tma), case.name
         assert row["B_T"] == node_block(case.tree_size) and not row["first_by_pointer"], case.name
+        assert not row["path_table"], case.name
         assert row["product"] == "split2", case.name
     scan, first = rows["B16-T64-L24-scan16"], rows["B16-T64-L24-first-by-pointer"]
+    table = rows["B16-T64-L24-path-table"]
     assert scan["B_T"] == 16 and first["B_T"] == 64 and first["first_by_pointer"] and first["tma"]
+    assert table["path_table"] and table["tma"] and not table["first_by_pointer"]
+    assert table["instructions"] < scan["instructions"]  # no scan at all
     shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config at the node block's scan
     assert shipped["config"] == scan["config"] == first["config"] and shipped["B_T"] == 64
     assert scan["instructions"] < shipped["instructions"] < first["instructions"]

@@ -427,7 +427,7 @@ def test_resident_self_check_passes_a_good_config(device):
         assert error <= tolerance, (deep, error, tolerance)
 
 
-@pytest.mark.parametrize("loads", ["tuned", "tma", "tma-first-by-pointer"])
+@pytest.mark.parametrize("loads", ["tuned", "tma", "tma-first-by-pointer", "path-table", "path-table-tma"])
 @pytest.mark.parametrize("layers,sizes,kind", [(3, [5, 1, 9], "random"), (1, [20], "random"), (2, [18, 3], "chain")],
                          ids=["L3-B3", "L1-B1", "L2-B2-deep-chain"])
 def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, monkeypatch):
@@ -436,14 +436,21 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
     (also for paths longer than the 16 nodes a program gathers at once). ``tma``: the state tiles read by TMA
     (two tiles a program, pipelined; on the CPU through the interpreter's tensor descriptors), the deep chain's
     later passes reading back by pointers what the first one stored; ``tma-first-by-pointer``: the first tile read
-    by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`)."""
+    by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`); ``path-table``: each
+    request's path read from a table worked out once per launch (`tree_commit.PATH_TABLE_MIN_BLOCK`; launches of two
+    or more layers), with pointer or TMA loads."""
     from bole_tune.config import CommitConfig
     from bole_tune.kernels import LayerResults, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
 
     config = None
-    if loads != "tuned":
+    if loads.startswith("path-table"):
+        monkeypatch.setattr(commit_module, "PATH_TABLE_MIN_BLOCK", 16)
+        launched = []
+        original_rows = commit_module.pending_path_rows
+        monkeypatch.setattr(commit_module, "pending_path_rows", lambda *a: launched.append(1) or original_rows(*a))
+    if loads in ("tma", "tma-first-by-pointer", "path-table-tma"):
         monkeypatch.setattr(commit_module, "TMA_OFF_GPU", True)
         monkeypatch.setattr(commit_module, "TMA_FIRST_BY_POINTER", loads == "tma-first-by-pointer")
         config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=1)
@@ -463,23 +470,29 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
         pools.append((x.state, x.state_indices))
         expected.append(ref.committed(x.state, x.state_indices, tree, accepted))
     states = torch.stack([p for p, _ in pools])
-    if loads != "tuned":
+    if config is not None:
         assert commit_module.tma_state_loads(states, config), "the TMA path must be the one under test"
     tree_commit_layers(states, pools[0][1], results, tree, accepted, config=config)
     for layer in range(layers):
         assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
+    if loads.startswith("path-table"):
+        assert launched == ([1] if layers > 1 else []), "the table is for launches of two or more layers"
 
 
-@pytest.mark.parametrize("scan", [None, 16, 32, 128])
+@pytest.mark.parametrize("scan", [None, 16, 32, 128, "table"])
 def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
     """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`, else
     the tree's node block, 64 here): at every width the committed slots equal the float64 reference, for accepted
-    nodes in the first, a middle and the last scan step, and -1; a scan wider than the trees (128) too."""
+    nodes in the first, a middle and the last scan step, and -1; a scan wider than the trees (128) too, and the path
+    read from a table instead (`tree_commit.PATH_TABLE_MIN_BLOCK`)."""
     from bole_tune.kernels import LayerResults, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
 
-    monkeypatch.setattr(commit_module, "SCAN_BLOCK", scan)
+    if scan == "table":
+        monkeypatch.setattr(commit_module, "PATH_TABLE_MIN_BLOCK", 64)
+    else:
+        monkeypatch.setattr(commit_module, "SCAN_BLOCK", scan)
     sizes = [48, 40, 37, 45]
     tree = make_tree(sizes, "random", max_depth=8, seed=12, device=device)
     accepted = torch.tensor([47, 20, 3, -1], device=device)

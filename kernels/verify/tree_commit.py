@@ -56,6 +56,7 @@ from ..launcher import FastLauncher, misaligned
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
 from .checks import check_commit_inputs
+from .pending import pending_path_rows
 from .result import TreeVerifyResult, commit_epoch
 
 DEFAULT_COMMIT_CONFIG_SOURCE = "bole_tune.lookup:tuned_commit"
@@ -78,6 +79,13 @@ TMA_FIRST_BY_POINTER = False
 flight while the path's dependent loads resolve), the rest by TMA: a TMA load issued there would wait for its tile
 on the spot, so the TMA launch starts its stream only once the path is known. Exact either way (the CPU tests run
 both); not measured yet (`python3 lab/commit_scan.py --time` times both on the GPU): off."""
+PATH_TABLE_MIN_BLOCK: int | None = None
+"""A launch of two or more layers whose node block has at least this many rows reads each request's path from a table
+worked out once per launch for all layers (`pending.pending_path_rows`: one small launch before it) instead of
+scanning the tree in every program: the path's factors then wait for one load, not for the accepted node and the
+scan. None: never. At 8-node trees (twelfth session) the table gained 1% at B=16 (20.65 against 20.89 us a layer)
+and lost 5% at B=1 (its launch); at 64-node trees, whose programs scan 64 candidates, not measured yet
+(`python3 lab/commit_scan.py --time`): off."""
 COMMIT_STATE_HINTS = ("evict_last", "")
 """The state tiles' cache hints: (the loads' eviction policy, the stores' cache modifier; "" for none). Each tile is
 read once and written back to the same lines; kept in L2 on the load ("evict_last"), its write lands there. Measured
@@ -94,6 +102,7 @@ streaming stores (".cs", ".cg") were 0-1.5% slower."""
 def tree_commit_kernel(
     # state pool (and, for TMA loads, a descriptor over it as [rows, dk]) and request metadata
     state_desc, state_ptr, state_indices_ptr, accepted_ptr, offsets_ptr, dfs_enter_ptr, dfs_exit_ptr, node_depth_ptr,
+    path_rows_ptr,  # the launch's path table ``[B, W_P]`` (`PATH_TABLE_MIN_BLOCK`), read where PATH_TABLE
     # factors from the verification
     u_ptr, logp_ptr, k_ptr, k_scale_ptr, committed_ptr, epoch,
     # strides (per layer: 0 for a single layer)
@@ -104,6 +113,7 @@ def tree_commit_kernel(
     B_T: tl.constexpr, B_K: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, B_P: tl.constexpr,
     PRODUCT: tl.constexpr = "ieee", LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
     TMA: tl.constexpr = False, STAGES: tl.constexpr = 3, TMA_FIRST_BY_POINTER: tl.constexpr = False,
+    PATH_TABLE: tl.constexpr = False, W_P: tl.constexpr = 16,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -140,8 +150,12 @@ def tree_commit_kernel(
         # the path holds one node per depth 0..depth(a): B_P of them at a time (one pass for the drafters'
         # trees of depth < B_P), each pass streaming this program's V_SPAN rows of the state; the first pass
         # decays S_pre, later ones (paths deeper than B_P) add to what it wrote
-        rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
-                                                 node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
+        if PATH_TABLE:
+            rows, m_p, weight, logp_a = path_from_table(path_rows_ptr, i_r, 0, bos + accepted, i_h, i_hk, logp_ptr,
+                                                        k_scale_ptr, H_V, H_K, W_P, B_P)
+        else:
+            rows, m_p, weight, logp_a = path_factors(accepted, bos, 0, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
+                                                     node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
         if TMA:
             # the pool as [rows, D_K] (host-checked: contiguous rows of D_K, fewer than 2^31 of them); the first
             # pass's tiles come in by TMA, STAGES in flight, and go out by pointer stores, so a later pass reads
@@ -156,10 +170,31 @@ def tree_commit_kernel(
                         k_ptr, stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
         for i_p in range(1, tl.load(node_depth_ptr + bos + accepted) // B_P + 1):
             tl.debug_barrier()
-            rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
-                                                     node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
+            if PATH_TABLE:
+                rows, m_p, weight, logp_a = path_from_table(path_rows_ptr, i_r, i_p, bos + accepted, i_h, i_hk,
+                                                            logp_ptr, k_scale_ptr, H_V, H_K, W_P, B_P)
+            else:
+                rows, m_p, weight, logp_a = path_factors(accepted, bos, i_p, i_h, i_hk, dfs_enter_ptr, dfs_exit_ptr,
+                                                         node_depth_ptr, logp_ptr, k_scale_ptr, H_V, H_K, B_T, B_P)
             commit_span(p_slab, b_first, False, rows, m_p, weight, 1.0, o_k, i_h, i_hk, i_span, u_ptr, k_ptr,
                         stride_s_v, H_V, H_K, D_K, D_V, B_V, V_SPAN, PRODUCT, LOAD_HINT, STORE_HINT)
+
+
+@triton.jit
+def path_from_table(path_rows_ptr, i_r, i_p, row_a, i_h, i_hk, logp_ptr, k_scale_ptr, H_V, H_K, W_P: tl.constexpr,
+                    B_P: tl.constexpr):
+    """`blocks.path_factors`' result read from the launch's path table instead of found in the tree: request
+    ``i_r``'s packed rows at depths ``i_p * B_P ..`` (``[B, W_P]``, -1 past the accepted node, packed row
+    ``row_a``), their mask, weights ``exp(logP_a - logP_j) * k_scale_j`` (0 off the path) and ``logP_a``. The rows
+    depend on the request alone, so their factors' loads need not wait for the accepted node."""
+    o_p = i_p * B_P + tl.arange(0, B_P)
+    rows = tl.load(path_rows_ptr + i_r * W_P + o_p, mask=o_p < W_P, other=-1).to(tl.int64)
+    m_p = rows >= 0
+    rows = tl.where(m_p, rows, 0)
+    logp_a = tl.load(logp_ptr + row_a * H_V + i_h)
+    logp_p = tl.load(logp_ptr + rows * H_V + i_h, mask=m_p, other=0)
+    scale_p = tl.load(k_scale_ptr + rows * H_K + i_hk, mask=m_p, other=0)
+    return rows, m_p, tl.where(m_p, tl.exp(logp_a - logp_p) * scale_p, 0.0), logp_a
 
 
 @triton.jit
@@ -357,7 +392,11 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     b_k, v_span, num_requests = config.b_k, config.v_span, len(tree.sizes)
     grid = ((dv // v_span) * (dk // b_k), hv, layers * num_requests)
     offsets, enter, leave, depth = tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth
-    tensors = (states, state_indices, accepted, offsets, enter, leave, depth, u, log_decay, k, k_scale, committed)
+    table = None
+    if layers > 1 and PATH_TABLE_MIN_BLOCK is not None and node_block(tree.max_tree_size) >= PATH_TABLE_MIN_BLOCK:
+        table = pending_path_rows(tree, accepted, _identity(tree))  # one small launch, shared by every layer
+    tensors = (states, state_indices, accepted, offsets, enter, leave, depth, depth if table is None else table, u,
+               log_decay, k, k_scale, committed)
     scalars = (commit_epoch(), *state_strides, *layer_strides, num_requests)
     pointers = tuple(map(_data_ptr, tensors))
     tma = bool(config.tma) and tma_state_loads(states, config)
@@ -372,12 +411,23 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     product = path_precision(COMMIT_PRODUCT, k.dtype, "ieee")
     key = (config, tma, hv, hk, dk, dv, block, state_indices.dtype, accepted.dtype, u.dtype, log_decay.dtype, k.dtype,
            k_scale.dtype, committed.dtype, product, COMMIT_STATE_HINTS, tma and TMA_FIRST_BY_POINTER,
-           misaligned(pointers, reduce(or_, pointers)), *state_strides, *layer_strides)
+           None if table is None else table.shape[1], misaligned(pointers, reduce(or_, pointers)), *state_strides,
+           *layer_strides)
     COMMIT.launch_keyed(key, grid, (desc, *pointers, *scalars), lambda: (desc, *tensors, *scalars), lambda: dict(
         H_V=hv, H_K=hk, D_K=dk, D_V=dv, B_T=block, B_K=b_k, B_V=config.b_v, V_SPAN=v_span, B_P=16,
         PRODUCT=product, LOAD_HINT=COMMIT_STATE_HINTS[0], STORE_HINT=COMMIT_STATE_HINTS[1], TMA=tma,
-        TMA_FIRST_BY_POINTER=tma and TMA_FIRST_BY_POINTER, STAGES=config.num_stages, num_warps=config.num_warps,
+        TMA_FIRST_BY_POINTER=tma and TMA_FIRST_BY_POINTER, PATH_TABLE=table is not None,
+        W_P=16 if table is None else table.shape[1], STAGES=config.num_stages, num_warps=config.num_warps,
         num_stages=config.num_stages))
+
+
+def _identity(tree: TreeBatch) -> torch.Tensor:
+    """``[0, 1, .., B-1]`` int32 on the tree's device (each request its own): `pending_path_rows`' request map for a
+    commit's own requests, kept with the tree."""
+    kept = tree._cache.get("identity")
+    if kept is None:
+        kept = tree._cache["identity"] = torch.arange(tree.num_requests, dtype=torch.int32, device=tree.device)
+    return kept
 
 
 TMA_MAX_BOX = 256  # a TMA copy's box: at most 256 elements along each dimension
