@@ -392,33 +392,20 @@ def main(argv=None) -> None:
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
     if args.others:
-        rows = small_binaries()
-        if args.json:
-            print(json.dumps(rows))
-            return
-        for r in rows:
-            print(f"{r['case']:20s} {r['kernel']:28s} registers={r['registers']} stack={r['stack']} "
-                  f"shared={r['shared']} instructions={r['instructions']}")
-        return
-    if args.commits:
+        rows, line = small_binaries(), "{case:20s} {kernel:28s}"
+    elif args.commits:
         rows = commit_binaries([*commit_entry_cases(), *COMMIT_SWITCH_CASES])
-        if args.json:
-            print(json.dumps(rows))
-            return
-        for r in rows:
-            print(f"{r['case']:40s} {r['config']:20s} B_T={r['B_T']:<3d} tma={r['tma']!s:5s} "
-                  f"first_by_pointer={r['first_by_pointer']!s:5s} path_table={r['path_table']!s:5s} "
-                  f"registers={r['registers']} stack={r['stack']} "
-                  f"shared={r['shared']} instructions={r['instructions']}")
-        return
-    rows = shipped_binaries(entry_cases() if args.every_entry else SHIPPED_CASES)
+        line = ("{case:40s} {config:20s} B_T={B_T:<3d} tma={tma!s:5s} first_by_pointer={first_by_pointer!s:5s} "
+                "path_table={path_table!s:5s}")
+    else:
+        rows = shipped_binaries(entry_cases() if args.every_entry else SHIPPED_CASES)
+        line = "{case:24s} {variant:8s} {config:32s} stack_qk={stack_qk!s:5s} fold={fold!s:5s} ring={ring!s:5s}"
     if args.json:
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['case']:24s} {r['variant']:8s} {r['config']:32s} stack_qk={r['stack_qk']!s:5s} "
-              f"fold={r['fold']!s:5s} ring={r['ring']!s:5s} "
-              f"registers={r['registers']} stack={r['stack']} shared={r['shared']} instructions={r['instructions']}")
+        print(line.format(**r) + " registers={registers} stack={stack} shared={shared} instructions={instructions}"
+              .format(**r))
 
 
 if __name__ == "__main__":

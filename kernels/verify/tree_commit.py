@@ -207,10 +207,8 @@ def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, de
                   other=0).to(tl.float32)
     first = 0
     if HAVE_FIRST:
-        o_c = tl.arange(0, B_V)
-        tl.store(p_slab + o_c[:, None] * stride_s_v,
-                 commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                             PRODUCT), cache_modifier=STORE_HINT)
+        commit_first_tile(p_slab, b_first, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, stride_s_v, H_V, D_V,
+                          B_V, V_SPAN, PRODUCT, STORE_HINT)
         first = 1
     for i_c in range(first, V_SPAN // B_V):
         o_c = i_c * B_V + tl.arange(0, B_V)
@@ -218,6 +216,17 @@ def commit_span(p_slab, b_first, HAVE_FIRST: tl.constexpr, rows, m_p, weight, de
         tl.store(p_slab + o_c[:, None] * stride_s_v,
                  commit_tile(b_s, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
                              PRODUCT), cache_modifier=STORE_HINT)
+
+
+@triton.jit
+def commit_first_tile(p_slab, b_first, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, stride_s_v, H_V,
+                      D_V: tl.constexpr, B_V: tl.constexpr, V_SPAN: tl.constexpr, PRODUCT: tl.constexpr,
+                      STORE_HINT: tl.constexpr):
+    """The span's first tile ``b_first`` (read at the program's start, by pointers) after the pass, written back."""
+    o_c = tl.arange(0, B_V)
+    tl.store(p_slab + o_c[:, None] * stride_s_v,
+             commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN, PRODUCT),
+             cache_modifier=STORE_HINT)
 
 
 @triton.jit
@@ -233,10 +242,8 @@ def commit_span_tma(state_desc, p_slab, row0, col, b_first, HAVE_FIRST: tl.const
                   other=0).to(tl.float32)
     first = 0
     if HAVE_FIRST:
-        o_c = tl.arange(0, B_V)
-        tl.store(p_slab + o_c[:, None] * stride_s_v,
-                 commit_tile(b_first, o_c, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, H_V, D_V, V_SPAN,
-                             PRODUCT), cache_modifier=STORE_HINT)
+        commit_first_tile(p_slab, b_first, rows, m_p, weight, decay, b_k, i_h, i_span, u_ptr, stride_s_v, H_V, D_V,
+                          B_V, V_SPAN, PRODUCT, STORE_HINT)
         first = 1
     for i_c in tl.range(first, V_SPAN // B_V, num_stages=STAGES):
         o_c = i_c * B_V + tl.arange(0, B_V)
