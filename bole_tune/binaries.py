@@ -255,7 +255,7 @@ def captured_commit(case: CommitCase) -> tuple:
     from bole_tune.kernels import LayerResults, tree_commit, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.kernels.verify.pending import path_width
-    from bole_tune.tree import TreeBatch
+    from bole_tune.workloads import make_tree
 
     captured = {}
 
@@ -263,7 +263,9 @@ def captured_commit(case: CommitCase) -> tuple:
         captured.update(args=build_args(), meta=build_meta(), grid=grid)
 
     h, dtype = case.heads, torch_dtype(case.dtype)
-    tree = TreeBatch.from_parents([[-1] + list(range(case.tree_size - 1))], device="cpu")  # one request
+    # one request's tree of the bucket's size and of a drafter's depth (<= 8): the node block and the path table's
+    # width as the engine's trees give them
+    tree = make_tree([case.tree_size], "random", max_depth=8, seed=0, device="cpu")
     layers = 1 if case.layers == 1 else 2  # the layer count is a grid size, not a kernel argument
     states = torch.empty(layers, 2, h.hv, h.dv, h.dk)
     results = LayerResults.empty(layers, tree, h, dtype, "cpu")
