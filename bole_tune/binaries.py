@@ -11,6 +11,7 @@ Gram products, tf32 dot precision: the interpreter's fp32 is a CPU-only choice),
     python -m bole_tune.binaries [--json]     # the shipped database's launches at the issue-17 shapes
     python -m bole_tune.binaries --commits    # every distinct commit launch of the shipped database, and its switches
     python -m bole_tune.binaries --others     # the other kernels an engine launches (tree build, gates, conv, ...)
+    python -m bole_tune.binaries --portable   # what a GPU without a tuned database runs, for sm_80 and sm_89
 
 It must run in a process without ``TRITON_INTERPRET`` (the interpreter replaces every ``@triton.jit`` function at
 import time); `tests/test_binaries.py` starts it that way. Static counts only: what an instruction costs is measured
@@ -37,14 +38,21 @@ from triton.runtime.jit import create_function_from_signature
 
 from bole_tune import database
 from bole_tune.bench import BenchCase, CaseBench
-from bole_tune.config import CommitConfig, node_block
+from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.database import ShapeKey
+from bole_tune.kernels.common import dot_precision
 from bole_tune.lookup import decide
 from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, torch_dtype, tree_bucket
 
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H200 = GPUTarget("cuda", 90, 32)
 SM90_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may hold on sm_90 (227 KiB)
+ARCH_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: SM90_SHARED_BYTES}
+"""The most shared memory one program may hold, by compute capability: A100 (sm_80) 163 KiB; A10, A40, RTX 3090
+(sm_86) and L40S, L4, RTX 4090 (sm_89) 99 KiB; H100, H200 (sm_90) 227 KiB."""
+PORTABLE_ARCHES = (80, 89)
+"""The architectures `portable_binaries` compiles for: the A100's, and the L40S's (whose 99 KiB of shared memory a
+program is the sm_86 GPUs' too)."""
 HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 
 
@@ -132,10 +140,11 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
     if not captured:
         raise RuntimeError(f"{launch}: tree_verify launched nothing to capture")
     meta = dict(captured["meta"])
-    if "GRAM_DTYPE" in meta:
-        meta["GRAM_DTYPE"] = triton.language.bfloat16 if bench.case.dtype == torch.bfloat16 else triton.language.float16
+    if "GRAM_DTYPE" in meta:  # the GPU's operands: the inputs' own (the interpreter's fp32 for bf16 is a CPU choice)
+        meta["GRAM_DTYPE"] = {torch.bfloat16: triton.language.bfloat16, torch.float16: triton.language.float16,
+                              torch.float32: triton.language.float32}[bench.case.dtype]
     if "DOT_PRECISION" in meta:
-        meta["DOT_PRECISION"] = "tf32"
+        meta["DOT_PRECISION"] = dot_precision(bench.case.dtype)
     return kernel.fn, captured["args"], meta, captured["grid"]
 
 
@@ -379,6 +388,73 @@ def small_binaries() -> list[dict]:
             for name, (fn, args, meta) in _small_launches().items()]
 
 
+@dataclass(frozen=True)
+class PortableCase:
+    """A launch `tree_verify(config=None)` runs on a GPU without a tuned database (the planner's untuned rule: the
+    default tiles, the variant by batch and tree size, no Gluon verify): ``round`` "verify", "fold" (a folded verify),
+    "read" or "write" (a `PendingRing` round of four)."""
+
+    name: str
+    batch: int
+    tree_size: int
+    kind: str
+    round: str = "verify"
+    dtype: str = "bf16"
+
+
+PORTABLE_CASES = (
+    PortableCase("B1-chain4", 1, 4, "chain"),
+    PortableCase("B1-chain4-folded", 1, 4, "chain", "fold"),
+    PortableCase("B16-chain8-ring-read", 16, 8, "chain", "read"),
+    PortableCase("B16-chain8-ring-write", 16, 8, "chain", "write"),
+    PortableCase("B4-tree16", 4, 16, "random"),
+    PortableCase("B16-tree64", 16, 64, "random"),
+    PortableCase("B16-tree64-ring-write", 16, 64, "random", "write"),
+    PortableCase("B2-tree256", 2, 256, "random"),
+    PortableCase("B2-tree256-folded", 2, 256, "random", "fold"),
+    PortableCase("B16-tree64-fp16", 16, 64, "random", dtype="fp16"),
+    PortableCase("B4-tree16-fp32", 4, 16, "random", dtype="fp32"),
+)
+
+PORTABLE_COMMITS = tuple(
+    CommitCase(f"commit-{dtype}-T{tree}-B{batch}-L{layers}", HEADS_9B, dtype, tree, layers,
+               default_commit_config(layers * batch * HEADS_9B.hv, HEADS_9B.dk, HEADS_9B.dv))
+    for dtype, tree, batch, layers in (("bf16", 8, 1, 1), ("bf16", 64, 16, 24), ("fp32", 8, 16, 24)))
+"""The commit's untuned fallback (`config.default_commit_config`, what a GPU without a tuned database launches), one
+layer at one request and all 24 layers at 16: pointer loads (TMA is sm_90's)."""
+
+
+def portable_binaries(arches=PORTABLE_ARCHES, cases=PORTABLE_CASES, commits=PORTABLE_COMMITS,
+                      others: bool = True) -> list[dict]:
+    """What a GPU without a tuned database runs (an A100, an L40S: ``tree_verify(config=None)``'s untuned launches,
+    the commit's fallback, the other kernels) compiled for each architecture of ``arches``, with its
+    `binary_report`, the architecture and the most shared memory one of its programs may hold."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    launches = []
+    for case in cases:
+        dtype = torch_dtype(case.dtype)
+        bench = CaseBench(BenchCase(HEADS_9B, case.batch, case.tree_size, dtype, 8, kind=case.kind), "cpu")
+        launch = bench.launch(fold=case.round == "fold", ring=case.round == "write")
+        fn, args, meta, _ = captured_launch(bench, launch, case.round if case.round in ("read", "write") else None,
+                                            case.round == "fold")
+        launches.append(({"case": case.name, "kernel": launch.variant, "config": str(launch.config)}, fn, args, meta))
+    for case in commits:
+        fn, args, meta, _ = captured_commit(case)
+        launches.append(({"case": case.name, "kernel": "commit", "config": case.config.text}, fn, args, meta))
+    if others:
+        for name, (fn, args, meta) in _small_launches().items():
+            launches.append(({"case": name, "kernel": fn.__name__, "config": ""}, fn, args, meta))
+    rows = []
+    for arch in arches:
+        target = GPUTarget("cuda", arch, 32)
+        for row, fn, args, meta in launches:
+            rows.append({**row, "arch": arch, "shared_limit": ARCH_SHARED_BYTES[arch],
+                         **binary_report(compile_for(fn, args, meta, target))})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -389,11 +465,16 @@ def main(argv=None) -> None:
     parser.add_argument("--others", action="store_true",
                         help="the other kernels (serial verify, path table, ring append, tree build, gates, "
                         "convolution)")
+    parser.add_argument("--portable", action="store_true",
+                        help="what a GPU without a tuned database runs (untuned verify launches, the commit's fallback, "
+                        "the other kernels), for sm_80 and sm_89")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
-    if args.others:
+    if args.portable:
+        rows, line = portable_binaries(), "sm_{arch} {case:32s} {kernel:26s} {config:32s}"
+    elif args.others:
         rows, line = small_binaries(), "{case:20s} {kernel:28s}"
     elif args.commits:
         rows = commit_binaries([*commit_entry_cases(), *COMMIT_SWITCH_CASES])

@@ -132,3 +132,29 @@ def test_the_other_kernels_an_engine_launches_compile_and_fit_an_sm():
         "ring_append": "ring_append_kernel", "tree_build": "tree_build_kernel", "gdn_gates": "gdn_gates_kernel",
         "tree_conv": "tree_conv_kernel", "tree_conv_commit": "tree_conv_commit_kernel"}
     _fits_an_sm(rows)
+
+
+
+def test_what_an_untuned_gpu_runs_compiles_for_the_a100_and_the_l40s():
+    """A GPU without a tuned database (an A100, sm_80; an L40S or RTX 4090, sm_89, whose programs get 99 KiB of
+    shared memory where the H200's get 227) runs the planner's untuned launches, the commit's fallback and the other
+    kernels: each compiles for both and fits their programs' shared memory."""
+    tools = binaries.missing_tools()
+    if tools:
+        pytest.skip(f"Triton's wheel here ships no {', '.join(tools)} (in {binaries.TOOLS}): nothing to compile with")
+    done = subprocess.run([sys.executable, "-m", "bole_tune.binaries", "--json", "--portable"], env=_env(False),
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = {(row["arch"], row["case"]): row for row in json.loads(done.stdout)}
+    names = ([case.name for case in binaries.PORTABLE_CASES] + [case.name for case in binaries.PORTABLE_COMMITS]
+             + ["serial_verify", "pending_path_rows", "ring_append", "tree_build", "gdn_gates", "tree_conv",
+                "tree_conv_commit"])
+    assert set(rows) == {(arch, name) for arch in binaries.PORTABLE_ARCHES for name in names}
+    for name, row in rows.items():
+        assert row["instructions"] > 0, name
+        assert 0 < row["registers"] <= 255, (name, row["registers"])
+        assert row["shared"] <= row["shared_limit"] == binaries.ARCH_SHARED_BYTES[row["arch"]], (name, row["shared"])
+    for arch in binaries.PORTABLE_ARCHES:  # the planner's untuned rule: one program per head up to 64 nodes
+        assert rows[(arch, "B16-tree64")]["kernel"] == "resident"
+        assert rows[(arch, "B2-tree256")]["kernel"] == "fused"
+        assert rows[(arch, "commit-bf16-T64-B16-L24")]["kernel"] == "commit"
