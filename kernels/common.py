@@ -7,8 +7,10 @@ stream and cost 250-900 us of host time per call on the H200 (BENCHMARKS.md, "tr
 the choice at runtime"), several times the kernels themselves at small batches. So they are checked only
 when asked: ``validate=True``, or ``BOLE_TUNE_VALIDATE=1`` in the environment for every call of a process
 (for example while an engine's integration is being brought up). Never inside a CUDA graph capture, where
-a copy to the host is impossible. Without them the kernels still never read or write outside their
-tensors: an accepted node out of range leaves its slot as it is.
+a copy to the host is impossible. Without them an accepted node out of range leaves its slot as it is, and a
+pending path's request or slot out of range (`PendingPaths`, `PendingPaths.between_rounds`) has nothing pending;
+a slot index out of range is not caught (the kernels address the pool with it): the value checks are there for
+that while an integration is brought up.
 """
 
 from __future__ import annotations
@@ -70,19 +72,38 @@ def require_dim(name: str, x: torch.Tensor, dim: int, meaning: str) -> None:
         raise ValueError(f"{name}: expected a {dim}-D tensor {meaning}, got shape {tuple(x.shape)}")
 
 
-def slot_checks(state_indices, num_slots) -> list:
-    """Device-side checks that every request names its own slot of a pool of ``num_slots``."""
+def slot_checks(state_indices, num_slots, name: str = "state_indices") -> list:
+    """Device-side checks that every request names its own slot of a pool of ``num_slots`` (``name``: the
+    argument's, for the messages)."""
+    if state_indices.numel() == 0:
+        return []
     sorted_slots = torch.sort(state_indices.long()).values
     return [
-        (sorted_slots[0] < 0, "state_indices: has a negative slot index"),
-        (sorted_slots[-1] >= num_slots, f"state_indices: has a slot index >= num_slots={num_slots}"),
+        (sorted_slots[0] < 0, f"{name}: has a negative slot index"),
+        (sorted_slots[-1] >= num_slots, f"{name}: has a slot index >= num_slots={num_slots}"),
         ((sorted_slots[1:] == sorted_slots[:-1]).any(),
-         "state_indices: names a slot twice (each request needs its own slot)"),
+         f"{name}: names a slot twice (each request needs its own slot)"),
     ]
+
+
+def require_index_vector(name: str, x, device, length: int | None = None) -> None:
+    """``x`` must be a 1-D int32 or int64 tensor on ``device`` (of ``length`` entries where given); raise naming
+    it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(x).__name__}")
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: dtype {x.dtype}; expected int32 or int64")
+    if x.dim() != 1 or (length is not None and x.shape[0] != length):
+        expected = f"[{length}]" if length is not None else "1-D"
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
+    if x.device != torch.device(device):
+        raise ValueError(f"{name}: on device {x.device} but expected {device}")
 
 
 def raise_first(checks) -> None:
     """Evaluate device-side checks with one copy to the host; raise the first that failed."""
+    if not checks:
+        return
     flags = torch.stack([flag for flag, _ in checks]).tolist()
     for flag, (_, message) in zip(flags, checks):
         if flag:

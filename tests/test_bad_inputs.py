@@ -385,3 +385,139 @@ def test_commit_of_all_layers_refuses(batch):
         tree_commit_layers(states, x.state_indices, results, tree, accepted[:1])
     with pytest.raises(ValueError, match="accepted\\[0\\]=9 is out of range"):
         tree_commit_layers(states, x.state_indices, results, tree, torch.tensor([9, 0]), validate=True)
+
+
+BETWEEN_ROUNDS_CASES = {
+    "tree": (dict(tree=None), TypeError, "tree: expected the previous round's TreeBatch"),
+    "num-slots-zero": (dict(num_slots=0), ValueError, "num_slots: expected a positive int"),
+    "num-slots-float": (dict(num_slots=8.0), ValueError, "num_slots: expected a positive int"),
+    "accepted-shape": (dict(accepted=torch.tensor([1])), ValueError, r"accepted: expected shape \[2\]"),
+    "accepted-float": (dict(accepted=torch.tensor([1.0, 0.0])), TypeError, "accepted: dtype torch.float32"),
+    "slots-float": (dict(state_indices=torch.tensor([1.0, 2.0])), TypeError, "state_indices: dtype"),
+    "slots-list": (dict(state_indices=[1, 2]), TypeError, "state_indices: expected an int32 or int64 tensor"),
+    "next-2d": (dict(next_state_indices=torch.tensor([[1, 2]])), ValueError, r"next_state_indices: expected shape 1-D"),
+    "next-device": (dict(next_state_indices=torch.tensor([1, 2], device="meta")), ValueError,
+                    "next_state_indices: on device meta"),
+    # values: checked when asked
+    "slot-too-large": (dict(state_indices=torch.tensor([1, 8]), validate=True), ValueError,
+                       "state_indices: has a slot index >= num_slots=8"),
+    "slot-repeated": (dict(state_indices=torch.tensor([3, 3]), validate=True), ValueError,
+                      "state_indices: names a slot twice"),
+    "next-negative": (dict(next_state_indices=torch.tensor([2, -1, 1]), validate=True), ValueError,
+                      "next_state_indices: has a negative slot index"),
+    "accepted-out-of-range": (dict(accepted=torch.tensor([5, 0]), validate=True), ValueError,
+                              "accepted: has an entry out of range"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BETWEEN_ROUNDS_CASES))
+def test_between_rounds_refuses(case):
+    from bole_tune.kernels import PendingPaths
+
+    tree = TreeBatch.from_parents([[-1, 0, 0], [-1, 0]])
+    args = dict(tree=tree, accepted=torch.tensor([2, 1]), state_indices=torch.tensor([1, 2]),
+                next_state_indices=torch.tensor([2, 5, 1]), num_slots=8)
+    changes, error, message = BETWEEN_ROUNDS_CASES[case]
+    with pytest.raises(error, match=message):
+        PendingPaths.between_rounds(**{**args, **changes})
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_between_rounds_pairs_slots_out_of_range_with_nothing(interpret, monkeypatch):
+    """Unchecked, a slot out of range in either round pairs with nothing (no index outside the tables is used): a
+    next-round request on one has nothing pending; a previous request on one is left out, never the request of the
+    slot it would wrap onto. The map against a dictionary of the slots in range (the Triton and the torch path)."""
+    from bole_tune.kernels import PendingPaths
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
+    tree = TreeBatch.from_parents([[-1, 0], [-1], [-1, 0, 1], [-1, 0]])
+    prev = torch.tensor([5, 9, -2, 2], dtype=torch.int32)  # 8 slots: 9 and -2 out of range
+    following = torch.tensor([2, 5, 11, 0, 9, -2, 7], dtype=torch.int32)
+    paths = PendingPaths.between_rounds(tree, torch.tensor([1, 0, 2, 1]), prev, following, 8)
+    owner = {s: r for r, s in enumerate(prev.tolist()) if 0 <= s < 8}
+    assert paths.request_map.tolist() == [owner.get(s, -1) for s in following.tolist()] == [3, 0, -1, -1, -1, -1, -1]
+    rows = paths.path_rows.tolist()
+    assert rows[0][:3] == [6, 7, -1] and rows[1][:3] == [0, 1, -1]  # request 3's path (rows 6, 7), request 0's
+    assert all(r == [-1] * len(r) for r in rows[2:])
+
+
+def test_ring_drop_flush_and_results_refuse():
+    from bole_tune.kernels import PendingRing
+
+    heads = HeadShape(hk=1, hv=2, dk=16, dv=16)
+    ring = PendingRing(6, 2, 4, 32, 4, "cpu")
+    arena = ring.results(heads, torch.float32)
+    pool = torch.zeros(6, 2, 16, 16)
+    with pytest.raises(TypeError, match="slots: dtype torch.float32"):
+        ring.drop(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"slots: expected shape 1-D"):
+        ring.drop(torch.tensor([[1]]))
+    with pytest.raises(ValueError, match=r"slots: has a slot index out of range \[0, 6\)"):
+        ring.drop(torch.tensor([2, 6]), validate=True)
+    with pytest.raises(ValueError, match=r"slots: has a slot index out of range"):
+        ring.flush(torch.tensor([-1]), [pool], [arena], validate=True)
+    with pytest.raises(ValueError, match=r"states\[0\]: expected a float32 pool \[num_slots=6, Hv=2"):
+        ring.flush(torch.tensor([1]), [pool[:, :1]], [arena])
+    with pytest.raises(ValueError, match=r"states\[0\]: expected a float32 pool"):
+        ring.flush(torch.tensor([1]), [pool.double()], [arena])
+    with pytest.raises(TypeError, match=r"results\[0\]: expected a RingResults"):
+        ring.flush(torch.tensor([1]), [pool], [pool])
+    with pytest.raises(ValueError, match="states, results: one per layer"):
+        ring.flush(torch.tensor([1]), [pool, pool], [arena])
+    with pytest.raises(TypeError, match="dtype: torch.int32 is not an input dtype"):
+        ring.results(heads, torch.int32)
+    with pytest.raises(TypeError, match="heads: expected a HeadShape"):
+        ring.results((1, 2, 16, 16), torch.float32)
+    ring.drop(torch.tensor([0, 5]), validate=True)  # in range: accepted
+    ring.flush(torch.tensor([1], dtype=torch.int32), [pool], [arena], validate=True)
+
+
+def test_layer_results_refuse():
+    from bole_tune.kernels import LayerResults
+
+    tree = TreeBatch.from_parents([[-1, 0], [-1]])
+    heads = HeadShape(hk=1, hv=2, dk=16, dv=16)
+    with pytest.raises(ValueError, match="num_layers: expected a positive int, got 0"):
+        LayerResults.empty(0, tree, heads, torch.float32, "cpu")
+    with pytest.raises(TypeError, match="dtype: torch.int8"):
+        LayerResults.empty(2, tree, heads, torch.int8, "cpu")
+    with pytest.raises(TypeError, match="tree: expected a TreeBatch"):
+        LayerResults.empty(2, [[-1, 0], [-1]], heads, torch.float32, "cpu")
+    results = LayerResults.empty(2, tree, heads, torch.float32, "cpu")
+    with pytest.raises(IndexError, match=r"index: expected a layer in \[0, 2\), got 2"):
+        results.layer(2)
+    with pytest.raises(IndexError, match=r"got -1"):
+        results.layer(-1)
+    with pytest.raises(TypeError, match="index: expected an int"):
+        results.layer(1.0)
+    assert results.layer(torch.tensor(1).item()).u.data_ptr() == results.u[1].data_ptr()
+
+
+def test_a_folded_verify_refuses_paths_of_other_trees():
+    """The previous result's rows are indexed by its paths: paths worked out on other trees (this round's instead of
+    the last one's, the commonest slip) would fold in other nodes' factors. Trees of other sizes, or of the same sizes
+    and other parents, are refused on the host; trees built on the device (no host parents) by their parents when
+    the values are checked."""
+    from bole_tune.kernels import PendingCommit, PendingPaths
+
+    tree = TreeBatch.from_parents([[-1, 0, 1, 1], [-1, 0]])
+    x = make_inputs(tree, 1, 2, 16, 16, torch.float32, "cpu", seed=3)
+    res = tree_verify(*x.args(tree))
+    accepted, slots = torch.tensor([2, 1]), x.state_indices
+
+    def fold(paths_tree, validate=None):
+        paths = PendingPaths.between_rounds(paths_tree, accepted, slots, slots, x.state.shape[0])
+        return tree_verify(*x.args(tree), pending=PendingCommit(paths, res), validate=validate)
+
+    before = x.state.clone()
+    with pytest.raises(ValueError, match=r"other trees than pending.paths.tree .*sizes \[4, 2\] and depth 2 against "
+                                         r"\[3, 3\]"):
+        fold(TreeBatch.from_parents([[-1, 0, 1], [-1, 0, 1]]))
+    with pytest.raises(ValueError, match="the same sizes, other parents"):
+        fold(TreeBatch.from_parents([[-1, 0, 0, 1], [-1, 0]]))
+    device_built = dataclasses.replace(TreeBatch.from_parents([[-1, 0, 0, 1], [-1, 0]]), _host_parents=(),
+                                       _host_depths=())
+    with pytest.raises(ValueError, match="the same sizes, other parents"):
+        fold(device_built, validate=True)
+    assert torch.equal(x.state, before)  # refused before anything was written
+    fold(TreeBatch.from_parents([[-1, 0, 1, 1], [-1, 0]]))  # the same trees, built again: accepted

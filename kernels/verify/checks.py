@@ -241,6 +241,9 @@ def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | N
                 result_stamp = stamp_result(prev, result_key)
     if paths_stamp is None or result_stamp is None or (out is not None and _shares_factors(out, result_stamp)):
         _explain_pending(pending, shape, device, out)
+    verified_on = pending.result.tree
+    if verified_on is not pending.paths.tree and verified_on is not None:  # the same object: the common case
+        _same_trees(verified_on, pending.paths.tree, validate)
     if validation_enabled(validate):
         paths = pending.paths
         sizes = (paths.tree.offsets[1:] - paths.tree.offsets[:-1]).to(paths.accepted.dtype)
@@ -249,6 +252,25 @@ def check_pending(pending, shape: VerifyShape, device, out: TreeVerifyResult | N
                      (((paths.request_map < -1) | (paths.request_map >= paths.tree.num_requests)).any(),
                       "pending.paths.request_map: has an entry out of range")])
     return paths_stamp, result_stamp
+
+
+def _same_trees(verified_on, paths_tree: TreeBatch, validate) -> None:
+    """The trees a folded verify's previous result was verified on (``pending.result.tree``) must be its paths' (a
+    path's rows index that result): checked on the host by their sizes and depth and, where both were built from
+    host parent lists, their parents; where either was built on the device, its parents with ``validate``."""
+    if not isinstance(verified_on, TreeBatch):
+        raise TypeError(f"pending.result.tree: expected the TreeBatch it was verified on, got "
+                        f"{type(verified_on).__name__}")
+    message = ("pending: pending.result was verified on other trees than pending.paths.tree (build the paths from "
+               "the round that result belongs to: PendingPaths.between_rounds(that round's tree, ...))")
+    if verified_on.sizes != paths_tree.sizes or verified_on.depth != paths_tree.depth:
+        raise ValueError(f"{message}: sizes {list(verified_on.sizes)} and depth {verified_on.depth} against "
+                         f"{list(paths_tree.sizes)} and {paths_tree.depth}")
+    if verified_on._host_parents and paths_tree._host_parents:
+        if verified_on._host_parents != paths_tree._host_parents:
+            raise ValueError(f"{message}: the same sizes, other parents")
+    elif validation_enabled(validate) and verified_on.parents.device == paths_tree.parents.device:
+        raise_first([((verified_on.parents != paths_tree.parents).any(), f"{message}: the same sizes, other parents")])
 
 
 def _paths_hold(paths: PendingPaths, num_requests: int, device) -> bool:

@@ -12,7 +12,7 @@ import torch
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import INPUT_DTYPES
+from ..common import INPUT_DTYPES, raise_first, require_index_vector, slot_checks, validation_enabled
 from .pending import pending_path_rows
 
 
@@ -66,12 +66,36 @@ class PendingPaths:
 
     @classmethod
     def between_rounds(cls, tree: TreeBatch, accepted, state_indices, next_state_indices,
-                       num_slots: int) -> "PendingPaths":
-        """From a round's ``(tree, accepted, state_indices)`` and the next round's slots (device work only)."""
-        device = tree.device
-        inverse = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
-        inverse[state_indices.long()] = torch.arange(len(state_indices), dtype=torch.int32, device=device)
-        return cls(tree, accepted, inverse[next_state_indices.long()])
+                       num_slots: int, validate: bool | None = None) -> "PendingPaths":
+        """From a round's ``(tree, accepted, state_indices)`` and the next round's slots (device work only).
+
+        The arguments' types, shapes, dtypes and devices are checked on the host; their values (slots in
+        ``[0, num_slots)``, each named once a round, accepted nodes in range) with ``validate`` (or
+        ``BOLE_TUNE_VALIDATE=1``), as the verify's are. Unchecked, a slot out of range pairs with nothing: a
+        next-round request on one has nothing pending, and a previous request on one is left out (no index
+        outside the tables is ever read or written)."""
+        if not isinstance(tree, TreeBatch):
+            raise TypeError(f"tree: expected the previous round's TreeBatch, got {type(tree).__name__}")
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
+            raise ValueError(f"num_slots: expected a positive int (the pool's slots), got {num_slots!r}")
+        device, b = tree.device, tree.num_requests
+        require_index_vector("accepted", accepted, device, b)
+        require_index_vector("state_indices", state_indices, device, b)
+        require_index_vector("next_state_indices", next_state_indices, device)
+        if validation_enabled(validate):
+            sizes = (tree.offsets[1:] - tree.offsets[:-1]).to(accepted.dtype)
+            raise_first([*slot_checks(state_indices, num_slots), *slot_checks(next_state_indices, num_slots,
+                                                                              "next_state_indices"),
+                         (((accepted < -1) | (accepted >= sizes)).any(),
+                          "accepted: has an entry out of range (expected -1 or a local node index)")])
+        prev, following = state_indices.long(), next_state_indices.long()
+        # one entry past the pool's: where slots out of range land, -1 whatever lands there
+        inverse = torch.full((num_slots + 1,), -1, dtype=torch.int32, device=device)
+        inverse[torch.where((prev >= 0) & (prev < num_slots), prev, num_slots)] = torch.arange(
+            b, dtype=torch.int32, device=device)
+        inverse[num_slots] = -1
+        return cls(tree, accepted, inverse[torch.where((following >= 0) & (following < num_slots), following,
+                                                       num_slots)])
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import triton.language as tl
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import use_triton, validation_enabled
+from ..common import INPUT_DTYPES, raise_first, require_index_vector, use_triton, validation_enabled
 from ..launcher import FastLauncher
 from .blocks import path_hits
 from .pending import SEARCH_BLOCK, pending_path_rows
@@ -170,7 +170,11 @@ class PendingRing:
         return min(self.width, self.table_width(max(held, 1), self.max_path))
 
     def results(self, heads: HeadShape, dtype: torch.dtype) -> RingResults:
-        """Empty `RingResults` for one GDN layer of these heads (verify outputs in ``dtype``)."""
+        """Empty `RingResults` for one GDN layer of these heads (verify outputs in ``dtype``: the inputs')."""
+        if not isinstance(heads, HeadShape):
+            raise TypeError(f"heads: expected a HeadShape, got {type(heads).__name__}")
+        if dtype not in INPUT_DTYPES:
+            raise TypeError(f"dtype: {dtype} is not an input dtype of the verify (bfloat16, float16 or float32)")
         p, n, h, f32, dev = self.rounds + 1, self.capacity, heads, torch.float32, self.device
         return RingResults(o=torch.empty(p, n, h.hv, h.dv, dtype=dtype, device=dev),
                            u=torch.zeros(p, n, h.hv, h.dv, dtype=f32, device=dev),
@@ -278,21 +282,46 @@ class PendingRing:
         self.count[slots] = (start + n).clamp(max=width).to(torch.int32)
         self._rows[spare], self._last[spare] = -1, 0
 
-    def drop(self, slots: torch.Tensor) -> None:
-        """Forget the pending tokens of ``slots`` (their states are discarded: a finished request's)."""
-        slots = slots.long()
+    def _slots(self, slots, validate) -> torch.Tensor:
+        """``slots`` (`drop`, `flush`) checked: a 1-D int tensor on the ring's device (always), its entries in
+        ``[0, num_slots)`` (with ``validate``, or ``BOLE_TUNE_VALIDATE=1``: one device-to-host copy)."""
+        require_index_vector("slots", slots, self.device)
+        if validation_enabled(validate) and slots.numel():
+            raise_first([(((slots < 0) | (slots >= self.num_slots)).any(),
+                          f"slots: has a slot index out of range [0, {self.num_slots})")])
+        return slots.long()
+
+    def drop(self, slots: torch.Tensor, validate: bool | None = None) -> None:
+        """Forget the pending tokens of ``slots`` (their states are discarded: a finished request's). ``validate``:
+        check that every slot is in range (as the verify's value checks; unchecked, indexing with one out of range
+        is an error of torch's, on a GPU a device-side assertion)."""
+        slots = self._slots(slots, validate)
         self.rows[slots] = -1
         self.last[slots] = 0
         self.count[slots] = 0
 
-    def flush(self, slots: torch.Tensor, states, results) -> None:
-        """Write the pending tokens of ``slots`` into their states in every layer (``states[l]`` the layer's pool,
-        ``results[l]`` its `RingResults`), then forget them: what a leaving request whose state is kept needs
-        (prefix caching), or before another kernel reads the pool. Batched torch operations (no host read)."""
+    def flush(self, slots: torch.Tensor, states, results, validate: bool | None = None) -> None:
+        """Write the pending tokens of ``slots`` into their states in every layer (``states[l]`` the layer's pool
+        ``[num_slots, Hv, dv, dk]`` float32, ``results[l]`` its `RingResults`), then forget them: what a leaving
+        request whose state is kept needs (prefix caching), or before another kernel reads the pool. Batched torch
+        operations (no host read); ``validate`` as for `drop`."""
+        slots = self._slots(slots, validate)
         if len(states) != len(results):
             raise ValueError(f"states, results: one per layer, got {len(states)} and {len(results)}")
-        for state, res in zip(states, results):
-            state[slots.long()] = ring_states(state, slots, self, res).to(state.dtype)
+        for layer, (state, res) in enumerate(zip(states, results)):
+            if not isinstance(res, RingResults):
+                raise TypeError(f"results[{layer}]: expected a RingResults (ring.results(...)), got "
+                                f"{type(res).__name__}")
+            hv, dv, hk, dk = res.u.shape[2], res.u.shape[3], res.k.shape[2], res.k.shape[3]
+            if (not isinstance(state, torch.Tensor) or state.dtype != torch.float32
+                    or tuple(state.shape) != (self.num_slots, hv, dv, dk) or state.device != self.device):
+                raise ValueError(f"states[{layer}]: expected a float32 pool [num_slots={self.num_slots}, Hv={hv}, "
+                                 f"dv={dv}, dk={dk}] on {self.device} (its arena's heads), got "
+                                 f"{getattr(state, 'dtype', type(state).__name__)} "
+                                 f"{tuple(getattr(state, 'shape', ()))} on {getattr(state, 'device', None)}")
+            if hv % hk:
+                raise ValueError(f"results[{layer}]: value heads Hv={hv} are not a multiple of key heads Hk={hk}")
+            state[slots] = ring_states(state, slots, self, res).to(state.dtype)
         self.drop(slots)
 
     def tokens(self, slots: torch.Tensor, res: RingResults):

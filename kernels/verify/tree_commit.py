@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 import importlib
+import operator
 from dataclasses import dataclass
 from functools import reduce
 from operator import or_
@@ -51,7 +52,7 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import path_precision, require_tensor, use_triton
+from ..common import INPUT_DTYPES, path_precision, require_tensor, use_triton
 from ..launcher import FastLauncher, misaligned
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
@@ -330,6 +331,14 @@ class LayerResults:
     @classmethod
     def empty(cls, num_layers: int, tree: TreeBatch, heads: HeadShape, dtype: torch.dtype, device) -> "LayerResults":
         """Buffers for ``num_layers`` layers verifying ``tree`` (its nodes and requests size them)."""
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+        if not isinstance(tree, TreeBatch):
+            raise TypeError(f"tree: expected a TreeBatch, got {type(tree).__name__}")
+        if not isinstance(heads, HeadShape):
+            raise TypeError(f"heads: expected a HeadShape, got {type(heads).__name__}")
+        if dtype not in INPUT_DTYPES:
+            raise TypeError(f"dtype: {dtype} is not an input dtype of the verify (bfloat16, float16 or float32)")
         n, h = tree.num_nodes, heads
         return cls(o=torch.empty(num_layers, n, h.hv, h.dv, dtype=dtype, device=device),
                    u=torch.empty(num_layers, n, h.hv, h.dv, dtype=torch.float32, device=device),
@@ -343,6 +352,14 @@ class LayerResults:
         return self.u.shape[0]
 
     def layer(self, index: int, tree: TreeBatch | None = None) -> TreeVerifyResult:
+        """Layer ``index``'s `TreeVerifyResult` (views into the stacked buffers)."""
+        if type(index) is not int:
+            try:
+                index = operator.index(index)
+            except TypeError:
+                raise TypeError(f"index: expected an int (a layer), got {type(index).__name__}") from None
+        if not 0 <= index < self.u.shape[0]:
+            raise IndexError(f"index: expected a layer in [0, {self.u.shape[0]}), got {index}")
         return TreeVerifyResult(o=self.o[index], u=self.u[index], log_decay=self.log_decay[index], k=self.k[index],
                                 k_scale=self.k_scale[index], committed=self.committed[index], tree=tree)
 
