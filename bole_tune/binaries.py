@@ -11,7 +11,7 @@ Gram products, tf32 dot precision: the interpreter's fp32 is a CPU-only choice),
     python -m bole_tune.binaries [--json]     # the shipped database's launches at the issue-17 shapes
     python -m bole_tune.binaries --commits    # every distinct commit launch of the shipped database, and its switches
     python -m bole_tune.binaries --others     # the other kernels an engine launches (tree build, gates, conv, ...)
-    python -m bole_tune.binaries --portable   # what a GPU without a tuned database runs, for sm_80 and sm_89
+    python -m bole_tune.binaries --portable   # what a GPU without a tuned database runs, sm_80 to sm_120
 
 It must run in a process without ``TRITON_INTERPRET`` (the interpreter replaces every ``@triton.jit`` function at
 import time); `tests/test_binaries.py` starts it that way. Static counts only: what an instruction costs is measured
@@ -40,19 +40,22 @@ from bole_tune import database
 from bole_tune.bench import BenchCase, CaseBench
 from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.database import ShapeKey
+from bole_tune.kernels import Launch
 from bole_tune.kernels.common import dot_precision
+from bole_tune.kernels.launcher import _TRAP
 from bole_tune.lookup import decide
 from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, torch_dtype, tree_bucket
 
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H200 = GPUTarget("cuda", 90, 32)
 SM90_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may hold on sm_90 (227 KiB)
-ARCH_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: SM90_SHARED_BYTES}
+ARCH_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: SM90_SHARED_BYTES, 100: 232448, 120: 101376}
 """The most shared memory one program may hold, by compute capability: A100 (sm_80) 163 KiB; A10, A40, RTX 3090
-(sm_86) and L40S, L4, RTX 4090 (sm_89) 99 KiB; H100, H200 (sm_90) 227 KiB."""
-PORTABLE_ARCHES = (80, 89)
-"""The architectures `portable_binaries` compiles for: the A100's, and the L40S's (whose 99 KiB of shared memory a
-program is the sm_86 GPUs' too)."""
+(sm_86) and L40S, L4, RTX 4090 (sm_89) 99 KiB; H100, H200 (sm_90) and B200, GB200 (sm_100) 227 KiB; RTX 5090 and RTX
+PRO 6000 Blackwell (sm_120) 99 KiB."""
+PORTABLE_ARCHES = (80, 89, 100, 120)
+"""The architectures `portable_binaries` compiles for: the A100's, the L40S's (whose 99 KiB of shared memory a
+program is the sm_86 GPUs' too), the B200's and the RTX 5090's."""
 HEADS_9B = HeadShape(hk=16, hv=32, dk=128, dv=128)
 
 
@@ -118,8 +121,9 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
         captured.update(args=build_args(), meta=build_meta(), grid=grid)
 
     kernel = run_module.FUSED if launch.variant == "fused" else run_module.RESIDENT
-    original, use = kernel.launch_keyed, tree_verify_module.use_triton
-    kernel.launch_keyed = capture
+    # both kernels' launches captured (a folded case's previous round may run the other), the last one kept
+    originals, use = (run_module.FUSED.launch_keyed, run_module.RESIDENT.launch_keyed), tree_verify_module.use_triton
+    run_module.FUSED.launch_keyed = run_module.RESIDENT.launch_keyed = capture
     tree_verify_module.use_triton = lambda device: True  # the Triton path, on CPU tensors
     try:
         tree, x = bench.reference_instance()
@@ -136,7 +140,7 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
         else:
             tree_verify(*x.args(tree), validate=False, launch=launch)
     finally:
-        kernel.launch_keyed, tree_verify_module.use_triton = original, use
+        (run_module.FUSED.launch_keyed, run_module.RESIDENT.launch_keyed), tree_verify_module.use_triton = originals, use
     if not captured:
         raise RuntimeError(f"{launch}: tree_verify launched nothing to capture")
     meta = dict(captured["meta"])
@@ -432,27 +436,47 @@ def portable_binaries(arches=PORTABLE_ARCHES, cases=PORTABLE_CASES, commits=PORT
     reason = unavailable()
     if reason:
         raise RuntimeError(reason)
-    launches = []
+    launches = []  # (row, (kernel, arguments, meta-parameters), the fused fallback's or None)
     for case in cases:
         dtype = torch_dtype(case.dtype)
         bench = CaseBench(BenchCase(HEADS_9B, case.batch, case.tree_size, dtype, 8, kind=case.kind), "cpu")
         launch = bench.launch(fold=case.round == "fold", ring=case.round == "write")
-        fn, args, meta, _ = captured_launch(bench, launch, case.round if case.round in ("read", "write") else None,
-                                            case.round == "fold")
-        launches.append(({"case": case.name, "kernel": launch.variant, "config": str(launch.config)}, fn, args, meta))
+        ring, fold = case.round if case.round in ("read", "write") else None, case.round == "fold"
+        fallback = None
+        if launch.variant != "fused":  # what the planner runs where the self-check's compile fails
+            fallback = captured_launch(bench, Launch("fused", launch.config, launch.node_block), ring, fold)[:3]
+        launches.append(({"case": case.name, "kernel": launch.variant, "config": str(launch.config)},
+                         captured_launch(bench, launch, ring, fold)[:3], fallback))
     for case in commits:
-        fn, args, meta, _ = captured_commit(case)
-        launches.append(({"case": case.name, "kernel": "commit", "config": case.config.text}, fn, args, meta))
+        launches.append(({"case": case.name, "kernel": "commit", "config": case.config.text},
+                         captured_commit(case)[:3], None))
     if others:
         for name, (fn, args, meta) in _small_launches().items():
-            launches.append(({"case": name, "kernel": fn.__name__, "config": ""}, fn, args, meta))
+            launches.append(({"case": name, "kernel": fn.__name__, "config": ""}, (fn, args, meta), None))
     rows = []
     for arch in arches:
         target = GPUTarget("cuda", arch, 32)
-        for row, fn, args, meta in launches:
-            rows.append({**row, "arch": arch, "shared_limit": ARCH_SHARED_BYTES[arch],
-                         **binary_report(compile_for(fn, args, meta, target))})
+        for row, launch, fallback in launches:
+            row = {**row, "arch": arch, "shared_limit": ARCH_SHARED_BYTES[arch], "fallback": ""}
+            try:
+                report = binary_report(untrapped(compile_for(*launch, target)))
+            except Exception as error:  # noqa: BLE001 - a compile failure the planner falls back from, or not
+                if fallback is None:
+                    raise
+                first = (str(error).splitlines() or [""])[0]
+                row.update(kernel="fused", fallback=f"{row['kernel']} did not compile ({type(error).__name__}: "
+                                                    f"{first})")
+                report = binary_report(untrapped(compile_for(*fallback, target)))
+            rows.append({**row, **report})
     return rows
+
+
+def untrapped(compiled):
+    """``compiled``, unless the compiler turned its body into a trap (`launcher.refuse_trapped`: what the launcher
+    refuses on a GPU), which raises."""
+    if _TRAP.search(compiled.asm["ptx"]):
+        raise RuntimeError(f"compiled for {compiled.metadata.target} to a trap")
+    return compiled
 
 
 def main(argv=None) -> None:
@@ -467,13 +491,13 @@ def main(argv=None) -> None:
                         "convolution)")
     parser.add_argument("--portable", action="store_true",
                         help="what a GPU without a tuned database runs (untuned verify launches, the commit's fallback, "
-                        "the other kernels), for sm_80 and sm_89")
+                        "the other kernels), for sm_80, sm_89, sm_100 and sm_120")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         parser.exit(2, f"python -m bole_tune.binaries: cannot compile here: {reason}\n")
     if args.portable:
-        rows, line = portable_binaries(), "sm_{arch} {case:32s} {kernel:26s} {config:32s}"
+        rows, line = portable_binaries(), "sm_{arch} {case:32s} {kernel:26s} {config:32s} {fallback}"
     elif args.others:
         rows, line = small_binaries(), "{case:20s} {kernel:28s}"
     elif args.commits:

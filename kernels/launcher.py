@@ -23,6 +23,8 @@ arguments (the launcher is handed every parameter in order, constants included, 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -54,6 +56,29 @@ def _hooked(hook) -> bool:
 
 
 _driver = []
+
+_TRAP = re.compile(r"^\s*trap;", re.MULTILINE)
+
+
+def refuse_trapped(fn, grid, args: tuple, meta: dict) -> None:
+    """Compile ``fn``'s launch without running it (Triton's ``warmup``) and raise where the compiler turned its body
+    into a trap (Triton 3.6 does, for sm_100, to the fused verify kernel with fp32 inputs and 64-row blocks: its PTX a
+    ``trap;`` in place of the work): launched, it would abort every later call in the process. None of the package's
+    kernels traps on purpose (no ``device_assert``). A function without ``warmup`` (the interpreter's) is let through."""
+    warmup = getattr(fn, "warmup", None)
+    if warmup is None:
+        return
+    compiled = warmup(*args, grid=grid, **meta)
+    asm = getattr(compiled, "asm", None)
+    ptx = asm.get("ptx") if asm is not None else None
+    if isinstance(ptx, str) and _TRAP.search(ptx):
+        target = getattr(compiled, "metadata", None)
+        target = getattr(target, "target", None)
+        where = f"for {getattr(target, 'backend', 'cuda')} arch {getattr(target, 'arch', '?')}" if target else ""
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}: Triton compiled this launch {where} to a trap (its body "
+                           "left out: a compiler failure); launching it would abort the process's device context. "
+                           "Another config, kernel or input dtype may compile (BENCHMARKS.md, \"Thirty-third "
+                           "session\")")
 
 
 def _active_driver():
@@ -164,6 +189,8 @@ class FastLauncher:
             key = (device, *key)
         kernel = self.compiled.get(key) if key is not None else None
         if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            if kernel is None:  # a specialisation not launched before: compiled (or loaded) and looked at first
+                refuse_trapped(self.fn, grid, args, meta)
             compiled = self.fn[grid](*args, **meta)
             if key is not None and hasattr(compiled, "packed_metadata") and all(
                     kind == "constant" for kind in self._kinds[len(args):]):

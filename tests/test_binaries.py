@@ -135,10 +135,12 @@ def test_the_other_kernels_an_engine_launches_compile_and_fit_an_sm():
 
 
 
-def test_what_an_untuned_gpu_runs_compiles_for_the_a100_and_the_l40s():
+def test_what_an_untuned_gpu_runs_compiles_for_the_a100_the_l40s_the_b200_and_the_rtx_5090():
     """A GPU without a tuned database (an A100, sm_80; an L40S or RTX 4090, sm_89, whose programs get 99 KiB of
-    shared memory where the H200's get 227) runs the planner's untuned launches, the commit's fallback and the other
-    kernels: each compiles for both and fits their programs' shared memory."""
+    shared memory where the H200's get 227; a B200, sm_100; an RTX 5090, sm_120) runs the planner's untuned launches,
+    the commit's fallback and the other kernels: each compiles for all four and fits their programs' shared memory,
+    or, for a resident launch the compiler refuses (Triton 3.6's pipeliner on sm_100), the fused launch the planner
+    falls back to does (`Planner.checked`)."""
     tools = binaries.missing_tools()
     if tools:
         pytest.skip(f"Triton's wheel here ships no {', '.join(tools)} (in {binaries.TOOLS}): nothing to compile with")
@@ -150,11 +152,19 @@ def test_what_an_untuned_gpu_runs_compiles_for_the_a100_and_the_l40s():
              + ["serial_verify", "pending_path_rows", "ring_append", "tree_build", "gdn_gates", "tree_conv",
                 "tree_conv_commit"])
     assert set(rows) == {(arch, name) for arch in binaries.PORTABLE_ARCHES for name in names}
+    assert set(binaries.PORTABLE_ARCHES) == {80, 89, 100, 120}
+    verify_cases = {case.name for case in binaries.PORTABLE_CASES}
     for name, row in rows.items():
         assert row["instructions"] > 0, name
         assert 0 < row["registers"] <= 255, (name, row["registers"])
         assert row["shared"] <= row["shared_limit"] == binaries.ARCH_SHARED_BYTES[row["arch"]], (name, row["shared"])
+        if row["fallback"]:  # only a verify launch falls back, and only onto the fused kernel
+            assert name[1] in verify_cases and row["kernel"] == "fused", name
+            assert row["fallback"].startswith(("resident did not compile", "stream did not compile")), name
     for arch in binaries.PORTABLE_ARCHES:  # the planner's untuned rule: one program per head up to 64 nodes
-        assert rows[(arch, "B16-tree64")]["kernel"] == "resident"
-        assert rows[(arch, "B2-tree256")]["kernel"] == "fused"
+        assert rows[(arch, "B1-chain4")]["kernel"] == "resident"
+        assert rows[(arch, "B2-tree256")]["kernel"] == "fused" and not rows[(arch, "B2-tree256")]["fallback"]
         assert rows[(arch, "commit-bf16-T64-B16-L24")]["kernel"] == "commit"
+    for arch in (80, 89, 120):  # no fallback needed there
+        assert not any(rows[(arch, name)]["fallback"] for name in names), arch
+        assert rows[(arch, "B16-tree64")]["kernel"] == "resident"

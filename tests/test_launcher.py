@@ -279,3 +279,35 @@ def test_the_argument_key_takes_gluon_s_tensor_descriptor():
     key_a, key_b = launcher.key((a,), {}), launcher.key((b,), {})
     assert hash(key_a) != hash(key_b) and key_a != key_b  # another block: another binary
     assert key_a[1][0] == "tensordesc" and key_a[1][1] == torch.float32 and tuple(key_a[1][2]) == (64, 32)
+
+
+class Warmed(Kernel):
+    """A jit function with Triton's ``warmup`` (compile without launching): its compiled PTX is ``ptx``."""
+
+    def __init__(self, ptx):
+        super().__init__()
+        self.ptx = ptx
+
+    def warmup(self, *args, grid, **meta):
+        self.log.append(("warmup", grid, args, meta))
+        return SimpleNamespace(asm={"ptx": self.ptx}, metadata=SimpleNamespace(target=SimpleNamespace(
+            backend="cuda", arch=100)))
+
+
+def test_a_launch_compiled_to_a_trap_is_refused_before_it_runs(monkeypatch):
+    """Triton 3.6 compiles some launches for sm_100 to a bare ``trap;`` (the fused verify with fp32 inputs and 64-row
+    blocks): the first launch of a specialisation is compiled and looked at before it runs, and such a binary is
+    refused with an error instead of aborting the device context; a sound one runs, and is looked at once."""
+    monkeypatch.setattr(FastLauncher, "device", staticmethod(lambda: 0))
+    monkeypatch.setattr(FastLauncher, "stream", staticmethod(lambda device: 7))
+    x = torch.zeros(64)
+    trapped = FastLauncher(Warmed(".entry k()\n{\n\ttrap;\n\tret;\n}\n"))
+    with pytest.raises(RuntimeError, match="compiled this launch for cuda arch 100 to a trap"):
+        trapped((4,), x, 32, 1, N=8)
+    assert [entry[0] for entry in trapped.fn.log] == ["warmup"]  # never launched
+    with pytest.raises(RuntimeError, match="to a trap"):  # nothing kept: refused again
+        trapped.launch_keyed(("key",), (4,), (0, 32, 1), lambda: (x, 32, 1), lambda: dict(N=8))
+    sound = FastLauncher(Warmed(".entry k()\n{\n\t// no trap here: trapped; is a name\n\tret;\n}\n"))
+    sound((4,), x, 32, 1, N=8)
+    sound((4,), x, 32, 2, N=8)
+    assert [entry[0] for entry in sound.fn.log] == ["warmup", "triton", "fast"]

@@ -469,15 +469,21 @@ class Planner:
                                   f"{torch.cuda.get_device_name(device)} ({why}); running the Triton resident "
                                   "kernel instead", stacklevel=4)
             else:
-                result = self.checks[key] = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm,
-                                                            device, deep)
+                try:
+                    result = self.self_check(launch, heads, dtype, gate_dtype, scale, use_qk_l2norm, device, deep)
+                except Exception as error:  # noqa: BLE001 - a compile failure (Triton 3.6 on sm_100 refuses some
+                    # resident launches): the fused kernel runs instead
+                    result = (float("inf"), 0.0, f"it did not compile or run: {type(error).__name__}: "
+                                                  f"{str(error).splitlines()[0] if str(error) else ''}")
+                self.checks[key] = result
             error, tolerance = result[:2]
             if not error <= tolerance and not launch.gluon:
-                warnings.warn(f"bole-tune: the resident tree_verify kernel computes wrongly with {launch.config} "
+                why = result[2] if len(result) > 2 else (f"relative error {error:.1e} against the float64 reference; "
+                                                         "a Triton miscompile")
+                warnings.warn(f"bole-tune: the resident tree_verify kernel fails its self-check with {launch.config} "
                               f"(value split {launch.v_split}) at {launch.node_block}-row trees on "
-                              f"{torch.cuda.get_device_name(device)} (relative error {error:.1e} against the float64 "
-                              "reference; a Triton miscompile); running the fused kernel for this config instead",
-                              stacklevel=4)
+                              f"{torch.cuda.get_device_name(device)} ({why}); running the fused kernel for this config "
+                              "instead", stacklevel=4)
         error, tolerance = result[:2]
         if error <= tolerance:
             return launch
@@ -487,9 +493,10 @@ class Planner:
                                          dtype, gate_dtype, scale, use_qk_l2norm, device, deep)
             return triton_launch.replace(fallback=triton_launch.fallback or f"the Gluon verify's self-check: {why}; "
                                                                              "runs on the Triton resident kernel")
+        why = result[2] if len(result) > 2 else (f"relative error {error:.2e} against the float64 reference (a Triton "
+                                                 "miscompile)")
         return Launch("fused", launch.config, launch.node_block, fallback_error=error,
-                      fallback=f"the resident kernel's self-check: relative error {error:.2e} against the float64 "
-                               "reference (a Triton miscompile); runs on the fused kernel")
+                      fallback=f"the resident kernel's self-check: {why}; runs on the fused kernel")
 
     def clear(self) -> None:
         """Forget the self-check results and the plans (the next resident launch of each specialisation checks

@@ -333,8 +333,9 @@ class LayerResults:
         """Buffers for ``num_layers`` layers verifying ``tree`` (its nodes and requests size them)."""
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
-        if not isinstance(tree, TreeBatch):
-            raise TypeError(f"tree: expected a TreeBatch, got {type(tree).__name__}")
+        if not all(isinstance(getattr(tree, name, None), int) for name in ("num_nodes", "num_requests")):
+            raise TypeError(f"tree: expected a TreeBatch (its num_nodes and num_requests size the buffers), got "
+                            f"{type(tree).__name__}")
         if not isinstance(heads, HeadShape):
             raise TypeError(f"heads: expected a HeadShape, got {type(heads).__name__}")
         if dtype not in INPUT_DTYPES:
