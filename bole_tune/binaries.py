@@ -117,13 +117,15 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
 
     captured = {}
 
-    def capture(key, grid, fast_args, build_args, build_meta):
-        captured.update(args=build_args(), meta=build_meta(), grid=grid)
+    def capture_for(kernel):
+        def capture(key, grid, fast_args, build_args, build_meta):
+            captured.update(fn=kernel.fn, args=build_args(), meta=build_meta(), grid=grid)
+        return capture
 
-    kernel = run_module.FUSED if launch.variant == "fused" else run_module.RESIDENT
     # both kernels' launches captured (a folded case's previous round may run the other), the last one kept
     originals, use = (run_module.FUSED.launch_keyed, run_module.RESIDENT.launch_keyed), tree_verify_module.use_triton
-    run_module.FUSED.launch_keyed = run_module.RESIDENT.launch_keyed = capture
+    run_module.FUSED.launch_keyed = capture_for(run_module.FUSED)
+    run_module.RESIDENT.launch_keyed = capture_for(run_module.RESIDENT)
     tree_verify_module.use_triton = lambda device: True  # the Triton path, on CPU tensors
     try:
         tree, x = bench.reference_instance()
@@ -149,7 +151,7 @@ def captured_launch(bench: CaseBench, launch, ring: str | None = None, fold: boo
                               torch.float32: triton.language.float32}[bench.case.dtype]
     if "DOT_PRECISION" in meta:
         meta["DOT_PRECISION"] = dot_precision(bench.case.dtype)
-    return kernel.fn, captured["args"], meta, captured["grid"]
+    return captured["fn"], captured["args"], meta, captured["grid"]
 
 
 @dataclass(frozen=True)

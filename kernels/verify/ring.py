@@ -295,7 +295,10 @@ class PendingRing:
         """Forget the pending tokens of ``slots`` (their states are discarded: a finished request's). ``validate``:
         check that every slot is in range (as the verify's value checks; unchecked, indexing with one out of range
         is an error of torch's, on a GPU a device-side assertion)."""
-        slots = self._slots(slots, validate)
+        self._forget(self._slots(slots, validate))
+
+    def _forget(self, slots: torch.Tensor) -> None:
+        """Empty the tables of ``slots`` (checked, int64)."""
         self.rows[slots] = -1
         self.last[slots] = 0
         self.count[slots] = 0
@@ -322,7 +325,7 @@ class PendingRing:
             if hv % hk:
                 raise ValueError(f"results[{layer}]: value heads Hv={hv} are not a multiple of key heads Hk={hk}")
             state[slots] = ring_states(state, slots, self, res).to(state.dtype)
-        self.drop(slots)
+        self._forget(slots)
 
     def tokens(self, slots: torch.Tensor, res: RingResults):
         """The pending tokens of ``slots`` in one layer's arena, for the closed form: (weighted normalised keys
