@@ -109,6 +109,7 @@ class FastLauncher:
         self.fn = fn
         self.compiled: dict[tuple, tuple] = {}
         self.by_caller_key: dict[tuple, tuple] = {}
+        self.looked_at: set[tuple] = set()  # argument keys whose binary `refuse_trapped` passed
         params = getattr(fn, "params", None)
         self._kinds = None
         if params is not None:  # a JITFunction (the interpreter's functions are launched through Triton's path)
@@ -189,8 +190,9 @@ class FastLauncher:
             key = (device, *key)
         kernel = self.compiled.get(key) if key is not None else None
         if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            if kernel is None:  # a specialisation not launched before: compiled (or loaded) and looked at first
-                refuse_trapped(self.fn, grid, args, meta)
+            if kernel is None and key is not None and key not in self.looked_at:  # a specialisation not
+                refuse_trapped(self.fn, grid, args, meta)  # launched before: compiled (or loaded) and looked at first
+                self.looked_at.add(key)
             compiled = self.fn[grid](*args, **meta)
             if key is not None and hasattr(compiled, "packed_metadata") and all(
                     kind == "constant" for kind in self._kinds[len(args):]):
@@ -215,3 +217,4 @@ class FastLauncher:
     def clear(self) -> None:
         self.compiled.clear()
         self.by_caller_key.clear()
+        self.looked_at.clear()
