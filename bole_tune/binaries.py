@@ -42,7 +42,7 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.database import ShapeKey
 from bole_tune.kernels import Launch
 from bole_tune.kernels.common import dot_precision
-from bole_tune.kernels.launcher import _TRAP
+from bole_tune.kernels.launcher import traps
 from bole_tune.lookup import decide
 from bole_tune.shapes import HeadShape, batch_bucket, dtype_name, torch_dtype, tree_bucket
 
@@ -476,7 +476,7 @@ def portable_binaries(arches=PORTABLE_ARCHES, cases=PORTABLE_CASES, commits=PORT
 def untrapped(compiled):
     """``compiled``, unless the compiler turned its body into a trap (`launcher.refuse_trapped`: what the launcher
     refuses on a GPU), which raises."""
-    if _TRAP.search(compiled.asm["ptx"]):
+    if traps(compiled):
         raise RuntimeError(f"compiled for {compiled.metadata.target} to a trap")
     return compiled
 

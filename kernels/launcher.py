@@ -60,6 +60,13 @@ _driver = []
 _TRAP = re.compile(r"^\s*trap;", re.MULTILINE)
 
 
+def traps(compiled) -> bool:
+    """Whether a compiled kernel's PTX holds a ``trap;`` (what Triton leaves where it drops a kernel's body)."""
+    asm = getattr(compiled, "asm", None)
+    ptx = asm.get("ptx") if asm is not None else None
+    return isinstance(ptx, str) and _TRAP.search(ptx) is not None
+
+
 def refuse_trapped(fn, grid, args: tuple, meta: dict) -> None:
     """Compile ``fn``'s launch without running it (Triton's ``warmup``) and raise where the compiler turned its body
     into a trap (Triton 3.6 does, for sm_100, to the fused verify kernel with fp32 inputs and 64-row blocks: its PTX a
@@ -69,9 +76,7 @@ def refuse_trapped(fn, grid, args: tuple, meta: dict) -> None:
     if warmup is None:
         return
     compiled = warmup(*args, grid=grid, **meta)
-    asm = getattr(compiled, "asm", None)
-    ptx = asm.get("ptx") if asm is not None else None
-    if isinstance(ptx, str) and _TRAP.search(ptx):
+    if traps(compiled):
         target = getattr(compiled, "metadata", None)
         target = getattr(target, "target", None)
         where = f"for {getattr(target, 'backend', 'cuda')} arch {getattr(target, 'arch', '?')}" if target else ""
