@@ -65,6 +65,10 @@ def main() -> None:
     parser.add_argument("--tree-size", default="8,64")
     parser.add_argument("--widths", default="8,16,32,64")
     parser.add_argument("--time", action="store_true", help="time each width on the GPU (checked first)")
+    parser.add_argument("--first-widths", default="", help="with --time: rows of the first tile by pointers with the "
+                        "scan at these widths too")
+    parser.add_argument("--config", choices=("tuned", "database"), default="tuned", help="with --time: the B=16 "
+                        "all-layer launch's config at every batch (tuned), or the shipped database's for each bucket")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", help="write the timed rows here")
@@ -81,35 +85,51 @@ def main() -> None:
                   f"stack={r['stack']} shared={r['shared']} instructions={r['instructions']}  "
                   + " ".join(f"{k}:{v}" for k, v in r["ops"].items()))
         return
-    timed_rows(args.batch, args.layers, sizes, widths, args.turns, args.repeats, args.json, args.smoke)
+    timed_rows(args.batch, args.layers, sizes, widths, args.turns, args.repeats, args.json, args.smoke,
+               [int(w) for w in args.first_widths.split(",") if w], args.config)
+
+
+SHIPPED = (commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK)
 
 
 def switches(kind: str | None, width: int | None) -> None:
-    """Set the commit's switches for one kind of row ("scan": the scan at ``width``; "first": the first tile by
-    pointers; "table": the path from a table), or back to the shipped ones (None)."""
-    commit_module.SCAN_BLOCK = width if kind == "scan" else None
+    """Set the commit's switches for one kind of row ("scan": the scan at ``width``, the first tile by TMA; "first":
+    the first tile by pointers, the scan at ``width`` (None: the node block's); "table": the path from a table), or
+    back to the shipped ones (None)."""
+    if kind is None:
+        commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK = SHIPPED
+        return
+    commit_module.SCAN_BLOCK = width if kind in ("scan", "first") else None
     commit_module.TMA_FIRST_BY_POINTER = kind == "first"
     commit_module.PATH_TABLE_MIN_BLOCK = 16 if kind == "table" else None
 
 
 def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats: int, path: str | None,
-               smoke: bool = False) -> list:
+               smoke: bool = False, first_widths=(), config_from: str = "tuned") -> list:
     """On the GPU, per tree size: the tuned all-layer launch at each scan width (`tree_commit.SCAN_BLOCK`), the lab's
     lean commit whose path comes from a table worked out once per launch (`commit_lean.py`, the table's launch
     timed with it), and the copy floor (`mul_(1.0)` over the pools' bytes); every launch checked against the closed
-    form first (one that is off is reported, not timed), then ``turns`` turns in alternating order, us per layer."""
+    form first (one that is off is reported, not timed), then ``turns`` turns in alternating order, us per layer.
+    ``first_widths``: rows of the first tile by pointers with the scan at each of these widths too. ``config_from``:
+    "tuned", the B=16 all-layer launch's config at every batch, or "database", the runtime's lookup for each bucket
+    (the shipped database's entry)."""
     from bole_tune.commit_bench import CommitBench
     from bole_tune.database import CommitKey
     from commit_lean import copy_floor_row, launch_error, launch_us_per_layer, lean_launch
     from lab_rows import release, save, show
 
     device, heads, rows = ("cpu", _heads(True), []) if smoke else ("cuda", _heads(), [])
-    config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=0) if smoke else TUNED
+    smoke_config = CommitConfig(b_k=16, b_v=16, v_span=32, num_warps=2, num_stages=2, tma=0)
     for tree_size in tree_sizes:
+        config = smoke_config if smoke else TUNED
+        if config_from == "database" and not smoke:
+            config = commit_module.commit_config(heads.hk, heads.hv, heads.dk, heads.dv, torch.bfloat16, tree_size,
+                                                 batch, layers, torch.device(device))
         bench = CommitBench(CommitKey.bucketed(heads, "bf16", tree_size, batch, layers=layers), device,
                             most_sets=2 if smoke else None)
         kinds = {f"scan {w}": ("scan", w) for w in widths}
         kinds["tma first by pointer"] = ("first", None)
+        kinds.update({f"first + scan {w}": ("first", w) for w in first_widths})
         kinds["path table"] = ("table", None)
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}
@@ -120,7 +140,7 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                 switches(None, None)
             else:
                 error = launch_error(bench, lambda *a, u=arg: lean_launch(*a, config, u))
-            commit_module.SCAN_BLOCK = None
+            switches(None, None)
             show({"tree_size": tree_size, "kernel": name, "error": error}, rows)
             if error <= 1e-4:
                 checked[name] = (kind, arg)

@@ -434,9 +434,10 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
     """tree_commit_layers commits every layer's accepted path in one launch: each layer's slot equals the
     float64 reference of that layer, requests with -1 keep theirs, and the pools of other slots are untouched
     (also for paths longer than the 16 nodes a program gathers at once). ``tma``: the state tiles read by TMA
-    (two tiles a program, pipelined; on the CPU through the interpreter's tensor descriptors), the deep chain's
-    later passes reading back by pointers what the first one stored; ``tma-first-by-pointer``: the first tile read
-    by pointers before the path is found, the rest by TMA (`tree_commit.TMA_FIRST_BY_POINTER`); ``path-table``: each
+    (two tiles a program, pipelined; on the CPU through the interpreter's tensor descriptors), the first one too, the
+    deep chain's later passes reading back by pointers what the first one stored; ``tma-first-by-pointer`` (as
+    shipped): the first tile read by pointers before the path is found, the rest by TMA
+    (`tree_commit.TMA_FIRST_BY_POINTER`); ``path-table``: each
     request's path read from a table worked out once per launch (`tree_commit.PATH_TABLE_MIN_BLOCK`; launches of two
     or more layers), with pointer or TMA loads."""
     from bole_tune.config import CommitConfig

@@ -75,11 +75,14 @@ that power of two >= 16, wider or narrower than the tree. Compiled for sm_90 at 
 (`python3 lab/commit_scan.py`), a 64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one
 144 and 1848; which is faster is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until
 it is measured."""
-TMA_FIRST_BY_POINTER = False
+TMA_FIRST_BY_POINTER = True
 """A ``tma=1`` launch's first state tile read by pointers at the program's start, as a pointer launch reads it (in
-flight while the path's dependent loads resolve), the rest by TMA: a TMA load issued there would wait for its tile
-on the spot, so the TMA launch starts its stream only once the path is known. Exact either way (the CPU tests run
-both); not measured yet (`python3 lab/commit_scan.py --time` times both on the GPU): off."""
+flight while the path's dependent loads resolve), the rest by TMA; off, a TMA load issued there would wait for its
+tile on the spot, so the launch would start its stream only once the path is known. Exact either way (the CPU tests
+run both). Measured on the H200 (`python3 lab/commit_scan.py --time`, 9B bf16, 24 layers, the tuned 128/16/128/2/3
+TMA launch, three alternating turns; BENCHMARKS.md, "Thirty-fourth session"): B=16 19.15 against 19.52 us a layer at
+8-node trees and 19.83 against 20.43 at 64-node ones (1.198x and 1.240x the copy floor, from 1.221x and 1.278x);
+B=32 37.59 against 38.40 and 39.30 against 40.46: on."""
 PATH_TABLE_MIN_BLOCK: int | None = None
 """A launch of two or more layers whose node block has at least this many rows reads each request's path from a table
 worked out once per launch for all layers (`pending.pending_path_rows`: one small launch before it) instead of
