@@ -241,6 +241,7 @@ class CommitCase:
 
 COMMIT_SWITCH_CASES = (
     CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16),
+    CommitCase("B16-T64-L24-scan64", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=64),
     CommitCase("B16-T64-L24-first-by-tma", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
                first_by_pointer=False),
     CommitCase("B16-T64-L24-path-table", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),

@@ -99,7 +99,7 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
     """Each distinct commit binary the shipped database can hand `tree_commit` / `tree_commit_layers` (config, heads,
     dtype, node block, one layer or more), and the commit's switches, compiled for sm_90 as the GPU builds them: the
     database's ``tma=1`` entries read by TMA, 16-bit keys' product in two tf32 pieces, the scan as wide as the node
-    block unless capped, the first state tile of a ``tma=1`` launch read by pointers."""
+    block up to 32 wide (`tree_commit.SCAN_WIDTH`), the first state tile of a ``tma=1`` launch read by pointers."""
     from bole_tune.config import node_block
 
     rows = _compiled("--commits")
@@ -110,21 +110,24 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
     for case in cases:
         row = rows[case.name]
         assert row["tma"] is bool(case.config.tma), case.name
-        assert row["B_T"] == node_block(case.tree_size), case.name
+        assert row["B_T"] == min(node_block(case.tree_size), 32), case.name
         assert row["first_by_pointer"] is row["tma"], case.name  # the switch as shipped, for TMA launches only
         assert not row["path_table"], case.name
         assert row["product"] == "split2", case.name
     scan, by_tma = rows["B16-T64-L24-scan16"], rows["B16-T64-L24-first-by-tma"]
+    wide = rows["B16-T64-L24-scan64"]
     table = rows["B16-T64-L24-path-table"]
     assert scan["B_T"] == 16 and scan["first_by_pointer"] and scan["tma"]
-    assert by_tma["B_T"] == 64 and not by_tma["first_by_pointer"] and by_tma["tma"]
+    assert by_tma["B_T"] == 32 and not by_tma["first_by_pointer"] and by_tma["tma"]
+    assert wide["B_T"] == 64 and wide["first_by_pointer"] and wide["tma"]
     assert table["path_table"] and table["tma"] and table["first_by_pointer"]
     assert table["instructions"] < scan["instructions"]  # no scan at all
-    shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config at the node block's scan
-    assert shipped["config"] == scan["config"] == by_tma["config"] and shipped["B_T"] == 64
+    shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config, the scan 32 wide
+    assert shipped["config"] == scan["config"] == by_tma["config"] == wide["config"] and shipped["B_T"] == 32
     assert shipped["first_by_pointer"]
     # a narrower scan takes instructions out; the first tile's pointer loads add some
-    assert scan["instructions"] < shipped["instructions"] and by_tma["instructions"] < shipped["instructions"]
+    assert scan["instructions"] < shipped["instructions"] < wide["instructions"]
+    assert by_tma["instructions"] < shipped["instructions"]
 
 
 def test_the_other_kernels_an_engine_launches_compile_and_fit_an_sm():

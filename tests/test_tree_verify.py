@@ -480,10 +480,10 @@ def test_one_commit_launch_for_all_layers(device, layers, sizes, kind, loads, mo
         assert launched == ([1] if layers > 1 else []), "the table is for launches of two or more layers"
 
 
-@pytest.mark.parametrize("scan", [None, 16, 32, 128, "table"])
+@pytest.mark.parametrize("scan", [None, 16, 32, 64, 128, "table"])
 def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
     """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`, else
-    the tree's node block, 64 here): at every width the committed slots equal the float64 reference, for accepted
+    the tree's node block, 64 here, capped at `tree_commit.SCAN_WIDTH`, 32): at every width the committed slots equal the float64 reference, for accepted
     nodes in the first, a middle and the last scan step, and -1; a scan wider than the trees (128) too, and the path
     read from a table instead (`tree_commit.PATH_TABLE_MIN_BLOCK`)."""
     from bole_tune.kernels import LayerResults, tree_commit_layers

@@ -68,13 +68,18 @@ the committed state within 2.3e-7 of the closed form on the H200, fp32 FMAs 6.3e
 far fewer registers, so more programs stream per SM: the all-layer commit 10-12% faster at B >= 16, 22% at B=1
 ("split3", exact pieces, measured the same within 1%; BENCHMARKS.md, "Eleventh session"). fp32 keys are not tf32
 values: their commits use fp32 FMAs."""
-SCAN_BLOCK: int | None = None
+SCAN_WIDTH = 32
 """Candidates one step of the commit's path scan looks at (`blocks.path_factors`: ``accepted // B_T + 1`` steps of a
-``[16, B_T]`` compare, the same path at every width): None, the tree's node block (16-64, `config.node_block`); else
-that power of two >= 16, wider or narrower than the tree. Compiled for sm_90 at the tuned B=16 all-layer launch
-(`python3 lab/commit_scan.py`), a 64-wide scan holds 148 registers a thread and 2544 SASS instructions, a 16-wide one
-144 and 1848; which is faster is the GPU's to say (`python3 lab/commit_scan.py --time`): the shipped width stays until
-it is measured."""
+``[16, B_T]`` compare, the same path at every width): the tree's node block (16-64, `config.node_block`), at most
+this many. Measured on the H200 (`python3 lab/commit_scan.py --time --config database`, 9B bf16, 24 layers, the
+database's launches with their first tile by pointers, three alternating turns; BENCHMARKS.md, "Thirty-fourth
+session"), 32 against the node block's 64 at 64-node trees: B=1 1.49 against 1.51 us a layer, B=4 5.37 against
+5.45, B=16 19.59 against 19.79, and at 256-node trees B=16 20.16 against 20.36; a 16-wide scan was between the two
+(64-wide scans cost about 700 SASS instructions more than 16-wide ones); at 8-node trees a 32-wide scan was 0.5%
+slower than the node block's 16 (19.11 against 19.02)."""
+SCAN_BLOCK: int | None = None
+"""The scan's width for every tree instead of `SCAN_WIDTH`'s rule (a power of two >= 16, wider or narrower than the
+tree; None: the rule): for measuring (`python3 lab/commit_scan.py`) and the tests."""
 TMA_FIRST_BY_POINTER = True
 """A ``tma=1`` launch's first state tile read by pointers at the program's start, as a pointer launch reads it (in
 flight while the path's dependent loads resolve), the rest by TMA; off, a TMA load issued there would wait for its
@@ -431,7 +436,7 @@ def _launch(states, layers: int, state_strides: tuple, state_indices, tree, acce
     # built per launch and encoded by Triton's launcher each time (with the encoding, 18 us more host time a call than
     # a pointer launch on the H200's host: BENCHMARKS.md, "Fifteenth session"); kept, it would keep the pool alive
     desc = TensorDescriptor(states, [states.numel() // dk, dk], [dk, 1], [config.b_v, b_k]) if tma else None
-    block = node_block(tree.max_tree_size)
+    block = min(node_block(tree.max_tree_size), SCAN_WIDTH)
     if SCAN_BLOCK is not None:
         if type(SCAN_BLOCK) is not int or SCAN_BLOCK < 16 or SCAN_BLOCK & (SCAN_BLOCK - 1):
             raise ValueError(f"tree_commit.SCAN_BLOCK: expected None or a power of two >= 16, got {SCAN_BLOCK!r}")
