@@ -94,14 +94,15 @@ SHIPPED = (commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_
 
 def switches(kind: str | None, width: int | None) -> None:
     """Set the commit's switches for one kind of row ("scan": the scan at ``width``, the first tile by TMA; "first":
-    the first tile by pointers, the scan at ``width`` (None: the node block's); "table": the path from a table), or
-    back to the shipped ones (None)."""
+    the first tile by pointers, the scan at ``width`` (None: the shipped rule's); "table": the path from a table, the
+    first tile by TMA; "first table": the path from a table, the first tile by pointers), or back to the shipped ones
+    (None)."""
     if kind is None:
         commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK = SHIPPED
         return
     commit_module.SCAN_BLOCK = width if kind in ("scan", "first") else None
-    commit_module.TMA_FIRST_BY_POINTER = kind == "first"
-    commit_module.PATH_TABLE_MIN_BLOCK = 16 if kind == "table" else None
+    commit_module.TMA_FIRST_BY_POINTER = kind in ("first", "first table")
+    commit_module.PATH_TABLE_MIN_BLOCK = 16 if kind in ("table", "first table") else None
 
 
 def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats: int, path: str | None,
@@ -131,10 +132,11 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
         kinds["tma first by pointer"] = ("first", None)
         kinds.update({f"first + scan {w}": ("first", w) for w in first_widths})
         kinds["path table"] = ("table", None)
+        kinds["first + path table"] = ("first table", None)
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}
         for name, (kind, arg) in kinds.items():
-            if kind in ("scan", "first", "table"):
+            if kind in ("scan", "first", "table", "first table"):
                 switches(kind, arg)
                 error = bench.error(config)
                 switches(None, None)
@@ -150,7 +152,7 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                 kind, arg = checked[name]
                 row = {"tree_size": tree_size, "batch": batch, "layers": layers, "turn": turn, "kernel": name,
                        "config": config.text}
-                if kind in ("scan", "first", "table"):
+                if kind in ("scan", "first", "table", "first table"):
                     switches(kind, arg)
                     row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
                     switches(None, None)
