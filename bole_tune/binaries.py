@@ -226,7 +226,7 @@ class CommitCase:
     """A commit launch: ``layers`` 1 is `tree_commit`'s, more `tree_commit_layers`'s (one binary serves every layer
     count above 1 and every batch: neither is specialised); ``scan_block``, ``first_by_pointer`` and ``path_table``
     set the commit's switches (`tree_commit.SCAN_BLOCK`, `tree_commit.TMA_FIRST_BY_POINTER`,
-    `tree_commit.PATH_TABLE_MIN_BLOCK`) for this launch (``first_by_pointer`` None: as shipped)."""
+    `tree_commit.PATH_TABLE_MIN_BLOCK`) for this launch (``first_by_pointer`` and ``path_table`` None: as shipped)."""
 
     name: str
     heads: HeadShape
@@ -236,16 +236,18 @@ class CommitCase:
     config: CommitConfig
     scan_block: int | None = None
     first_by_pointer: bool | None = None
-    path_table: bool = False
+    path_table: bool | None = None
 
 
-COMMIT_SWITCH_CASES = (
-    CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16),
-    CommitCase("B16-T64-L24-scan64", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=64),
-    CommitCase("B16-T64-L24-first-by-tma", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
-               first_by_pointer=False),
-    CommitCase("B16-T64-L24-path-table", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
-               path_table=True),
+COMMIT_SWITCH_CASES = (  # the shipped B=16 64-node launch with its path scanned instead of read from the table
+    CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16,
+               path_table=False),
+    CommitCase("B16-T64-L24-scan32", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
+               path_table=False),
+    CommitCase("B16-T64-L24-scan64", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=64,
+               path_table=False),
+    CommitCase("B16-T64-L24-scan32-first-by-tma", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
+               first_by_pointer=False, path_table=False),
 )
 
 
@@ -293,7 +295,8 @@ def captured_commit(case: CommitCase) -> tuple:
     commit_module.TMA_OFF_GPU, commit_module.SCAN_BLOCK = True, case.scan_block
     if case.first_by_pointer is not None:
         commit_module.TMA_FIRST_BY_POINTER = case.first_by_pointer
-    commit_module.PATH_TABLE_MIN_BLOCK = 16 if case.path_table else None
+    if case.path_table is not None:
+        commit_module.PATH_TABLE_MIN_BLOCK = 16 if case.path_table else None
     # the table as its own launch would make it (its kernel is compiled with `small_binaries`)
     commit_module.pending_path_rows = lambda tree, accepted, request_map: torch.full(
         (len(request_map), path_width(tree)), -1, dtype=torch.int32)

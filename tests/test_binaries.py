@@ -99,7 +99,8 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
     """Each distinct commit binary the shipped database can hand `tree_commit` / `tree_commit_layers` (config, heads,
     dtype, node block, one layer or more), and the commit's switches, compiled for sm_90 as the GPU builds them: the
     database's ``tma=1`` entries read by TMA, 16-bit keys' product in two tf32 pieces, the scan as wide as the node
-    block up to 32 wide (`tree_commit.SCAN_WIDTH`), the first state tile of a ``tma=1`` launch read by pointers."""
+    block up to 32 wide (`tree_commit.SCAN_WIDTH`) or, for several layers at node blocks of 64, the path from a
+    table (`tree_commit.PATH_TABLE_MIN_BLOCK`), the first state tile of a ``tma=1`` launch read by pointers."""
     from bole_tune.config import node_block
 
     rows = _compiled("--commits")
@@ -112,22 +113,20 @@ def test_every_commit_launch_of_the_shipped_database_compiles_and_fits_an_sm():
         assert row["tma"] is bool(case.config.tma), case.name
         assert row["B_T"] == min(node_block(case.tree_size), 32), case.name
         assert row["first_by_pointer"] is row["tma"], case.name  # the switch as shipped, for TMA launches only
-        assert not row["path_table"], case.name
+        # the path read from a table for launches of several layers at trees of more than 32 nodes, else scanned
+        assert row["path_table"] is (case.layers > 1 and node_block(case.tree_size) >= 64), case.name
         assert row["product"] == "split2", case.name
-    scan, by_tma = rows["B16-T64-L24-scan16"], rows["B16-T64-L24-first-by-tma"]
-    wide = rows["B16-T64-L24-scan64"]
-    table = rows["B16-T64-L24-path-table"]
-    assert scan["B_T"] == 16 and scan["first_by_pointer"] and scan["tma"]
-    assert by_tma["B_T"] == 32 and not by_tma["first_by_pointer"] and by_tma["tma"]
-    assert wide["B_T"] == 64 and wide["first_by_pointer"] and wide["tma"]
-    assert table["path_table"] and table["tma"] and table["first_by_pointer"]
-    assert table["instructions"] < scan["instructions"]  # no scan at all
-    shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config, the scan 32 wide
-    assert shipped["config"] == scan["config"] == by_tma["config"] == wide["config"] and shipped["B_T"] == 32
-    assert shipped["first_by_pointer"]
-    # a narrower scan takes instructions out; the first tile's pointer loads add some
-    assert scan["instructions"] < shipped["instructions"] < wide["instructions"]
-    assert by_tma["instructions"] < shipped["instructions"]
+    scan16, scan32, scan64 = (rows[f"B16-T64-L24-scan{w}"] for w in (16, 32, 64))
+    by_tma = rows["B16-T64-L24-scan32-first-by-tma"]
+    for row, width in ((scan16, 16), (scan32, 32), (scan64, 64), (by_tma, 32)):
+        assert row["B_T"] == width and not row["path_table"] and row["tma"], row["case"]
+        assert row["first_by_pointer"] is (row is not by_tma), row["case"]
+    shipped = rows["Hv32-Hk16-dk128-dv128-bf16-T64-B1-L24"]  # the same config, its path from the table
+    assert shipped["config"] == scan16["config"] == scan64["config"] == by_tma["config"]
+    assert shipped["path_table"] and shipped["first_by_pointer"]
+    # a wider scan adds instructions, the table takes the scan out, the first tile's pointer loads add some
+    assert shipped["instructions"] < scan16["instructions"] < scan32["instructions"] < scan64["instructions"]
+    assert by_tma["instructions"] < scan32["instructions"]
 
 
 def test_the_other_kernels_an_engine_launches_compile_and_fit_an_sm():

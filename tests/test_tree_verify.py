@@ -485,14 +485,16 @@ def test_commit_path_scan_at_every_width(device, scan, monkeypatch):
     """The commit finds each path by scanning its request's nodes ``B_T`` at a time (`tree_commit.SCAN_BLOCK`, else
     the tree's node block, 64 here, capped at `tree_commit.SCAN_WIDTH`, 32): at every width the committed slots equal the float64 reference, for accepted
     nodes in the first, a middle and the last scan step, and -1; a scan wider than the trees (128) too, and the path
-    read from a table instead (`tree_commit.PATH_TABLE_MIN_BLOCK`)."""
+    read from a table instead (`tree_commit.PATH_TABLE_MIN_BLOCK`, shipped for launches of several layers at this node
+    block)."""
     from bole_tune.kernels import LayerResults, tree_commit_layers
     from bole_tune.kernels.verify import tree_commit as commit_module
     from bole_tune.shapes import HeadShape
 
     if scan == "table":
         monkeypatch.setattr(commit_module, "PATH_TABLE_MIN_BLOCK", 64)
-    else:
+    else:  # scanned: the table (shipped for these trees' node block of 64) off
+        monkeypatch.setattr(commit_module, "PATH_TABLE_MIN_BLOCK", None)
         monkeypatch.setattr(commit_module, "SCAN_BLOCK", scan)
     sizes = [48, 40, 37, 45]
     tree = make_tree(sizes, "random", max_depth=8, seed=12, device=device)

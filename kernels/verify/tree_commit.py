@@ -88,13 +88,15 @@ run both). Measured on the H200 (`python3 lab/commit_scan.py --time`, 9B bf16, 2
 TMA launch, three alternating turns; BENCHMARKS.md, "Thirty-fourth session"): B=16 19.15 against 19.52 us a layer at
 8-node trees and 19.83 against 20.43 at 64-node ones (1.198x and 1.240x the copy floor, from 1.221x and 1.278x);
 B=32 37.59 against 38.40 and 39.30 against 40.46: on."""
-PATH_TABLE_MIN_BLOCK: int | None = None
+PATH_TABLE_MIN_BLOCK: int | None = 64
 """A launch of two or more layers whose node block has at least this many rows reads each request's path from a table
 worked out once per launch for all layers (`pending.pending_path_rows`: one small launch before it) instead of
 scanning the tree in every program: the path's factors then wait for one load, not for the accepted node and the
-scan. None: never. At 8-node trees (twelfth session) the table gained 1% at B=16 (20.65 against 20.89 us a layer)
-and lost 5% at B=1 (its launch); at 64-node trees, whose programs scan 64 candidates, not measured yet
-(`python3 lab/commit_scan.py --time`): off."""
+scan. None: never. Measured on the H200 (`python3 lab/commit_scan.py --time --config database`, 9B bf16, 24 layers,
+the table's launch timed with it, first tiles by pointers; BENCHMARKS.md, "Thirty-fourth session") against the scan:
+B=16 19.60 against 19.95 us a layer at 64-node trees, 19.77 against 20.37 at 128, 19.88 against 20.53 at 256; B=32
+38.11 against 38.89 at 64 and 38.25 against 39.69 at 256. At 8-node trees (node block 16) the table lost 1.4% at B=16
+(19.71 against 19.43, first tiles by TMA) and 5% at B=1 in the twelfth session (its launch): from node block 64."""
 COMMIT_STATE_HINTS = ("evict_last", "")
 """The state tiles' cache hints: (the loads' eviction policy, the stores' cache modifier; "" for none). Each tile is
 read once and written back to the same lines; kept in L2 on the load ("evict_last"), its write lands there. Measured
