@@ -89,6 +89,7 @@ def main() -> None:
                [int(w) for w in args.first_widths.split(",") if w], args.config)
 
 
+SWITCHED = ("scan", "first", "table", "first table")  # the shipped kernel's rows, set by `switches`
 SHIPPED = (commit_module.SCAN_BLOCK, commit_module.TMA_FIRST_BY_POINTER, commit_module.PATH_TABLE_MIN_BLOCK)
 
 
@@ -136,13 +137,12 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
         kinds["lean table split3"] = ("lean", "split3")
         checked = {}
         for name, (kind, arg) in kinds.items():
-            if kind in ("scan", "first", "table", "first table"):
+            if kind in SWITCHED:
                 switches(kind, arg)
                 error = bench.error(config)
                 switches(None, None)
             else:
                 error = launch_error(bench, lambda *a, u=arg: lean_launch(*a, config, u))
-            switches(None, None)
             show({"tree_size": tree_size, "kernel": name, "error": error}, rows)
             if error <= 1e-4:
                 checked[name] = (kind, arg)
@@ -152,7 +152,7 @@ def timed_rows(batch: int, layers: int, tree_sizes, widths, turns: int, repeats:
                 kind, arg = checked[name]
                 row = {"tree_size": tree_size, "batch": batch, "layers": layers, "turn": turn, "kernel": name,
                        "config": config.text}
-                if kind in ("scan", "first", "table", "first table"):
+                if kind in SWITCHED:
                     switches(kind, arg)
                     row["us_per_layer"] = bench.time(config, repeats).p50_us / layers
                     switches(None, None)
