@@ -17,7 +17,9 @@
 #             (bole_tune.bench.round_verdict), which it prints last
 #   step      bole-tune step, every model, into a copy of the shipped database in $OUT (STEP_ARGS for more flags)
 #   lookup    the runtime lookup's cost (bole-tune bench --lookup)
-#   commit    tune the commit launch for the 9B (bole-tune tune --commit --quick) into $OUT's database
+#   commit    tune the commit launches (bole-tune tune --commit --quick) into $OUT's database, for each model of
+#             COMMIT_MODELS (default qwen3.5-9b; the shipped database has entries for qwen3.5-27b and
+#             qwen3.5-122b-a10b too: about 130-170 s a model), each under COMMIT_TIMEOUT
 #   sglang    the SGLang adapter against SGLang 0.5.23's own kernel: its tests on the GPU (production shapes
 #             included) and the side-by-side benchmark (JSON in $OUT/sglang-bench.json). SGLang's kernel comes
 #             from $BOLE_TUNE_ENGINE_PACKAGES, default ./.sgk where present: build it with
@@ -76,8 +78,12 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
         BOLE_TUNE_DB="$OUT" timeout "${STEP_TIMEOUT:-540}" bole-tune step ${STEP_ARGS:-} ;;
     lookup) timeout "${LOOKUP_TIMEOUT:-120}" bole-tune bench --lookup ;;
     commit) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
-        timeout "${COMMIT_TIMEOUT:-400}" bole-tune tune --commit --quick --model qwen3.5-9b --db-dir "$OUT" \
-          --storage "sqlite:///$OUT/commit-studies.sqlite3" ;;
+        local failed_rc=0  # every model is tuned; the stage fails with the last failure's status
+        for model in ${COMMIT_MODELS:-qwen3.5-9b}; do
+          timeout "${COMMIT_TIMEOUT:-400}" bole-tune tune --commit --quick --model "$model" --db-dir "$OUT" \
+            --storage "sqlite:///$OUT/commit-studies.sqlite3" || failed_rc=$?
+        done
+        return $failed_rc ;;
     sglang) [ -d .sgk ] && export BOLE_TUNE_ENGINE_PACKAGES=${BOLE_TUNE_ENGINE_PACKAGES:-$PWD/.sgk}
         BOLE_TUNE_REQUIRE_ENGINES=1 timeout "${SGLANG_TESTS_TIMEOUT:-240}" python3 -m pytest tests/test_sglang_adapter.py \
           -q -p no:cacheprovider -rs && timeout "${SGLANG_TIMEOUT:-420}" python3 -m bole_tune.engines.sglang \
