@@ -387,6 +387,52 @@ def test_commit_of_all_layers_refuses(batch):
         tree_commit_layers(states, x.state_indices, results, tree, torch.tensor([9, 0]), validate=True)
 
 
+LAYERS_CASES = {  # what the all-layer commit's named checks refuse: (change, error, message)
+    "states-4d": (lambda s, r: dict(states=s[0]), ValueError, r"states: expected shape \[L=2"),
+    "states-fp16": (lambda s, r: dict(states=s.half()), TypeError, "state: dtype torch.float16"),
+    "states-dk-strided": (lambda s, r: dict(states=s.transpose(3, 4)), ValueError,
+                          r"state: the last \(dk\) dimension must be contiguous"),
+    "states-slots-only": (lambda s, r: dict(states=s[:, :, :2]), ValueError, "state: expected shape"),
+    "u-layer-strided": (lambda s, r: dict(results=dataclasses.replace(r, u=r.u.transpose(2, 3).contiguous()
+                                                                          .transpose(2, 3))),
+                        ValueError, "results.u: each layer must be contiguous"),
+    "committed-1d": (lambda s, r: dict(results=dataclasses.replace(r, committed=r.committed[0])), ValueError,
+                     "res.committed: expected shape"),
+    "k-scale-device": (lambda s, r: dict(results=dataclasses.replace(r, k_scale=r.k_scale.to("meta"))), ValueError,
+                       "res.k_scale: on device meta"),
+    "results-type": (lambda s, r: dict(results=r.layer(0)), TypeError, "results: expected LayerResults"),
+    "states-list": (lambda s, r: dict(states=[s]), TypeError, "states: expected"),
+    "accepted-shape": (lambda s, r: dict(accepted=torch.tensor([0])), ValueError, "accepted: expected shape"),
+    "accepted-float": (lambda s, r: dict(accepted=torch.tensor([0.0, 1.0])), TypeError, "accepted: dtype"),
+    "slots-strided": (lambda s, r: dict(state_indices=torch.tensor([0, 9, 1, 9], dtype=torch.int32)[::2]),
+                      ValueError, "state_indices: must be contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYERS_CASES), ids=list(LAYERS_CASES))
+def test_the_all_layer_commit_s_quick_checks_refuse_what_its_named_checks_refuse(batch, case):
+    """`tree_commit_layers` skips its named checks where one chain of comparisons on the stacked tensors holds
+    (`_layers_hold`): that chain must let through what is good and nothing the named checks refuse."""
+    from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.kernels.verify.tree_commit import _layers_hold
+
+    tree, x = batch
+    results = LayerResults.empty(2, tree, HeadShape(hk=2, hv=4, dk=32, dv=32), torch.float32, "cpu")
+    for layer in range(2):
+        tree_verify(*x.args(tree), out=results.layer(layer))
+    states = torch.stack([x.state, x.state.clone()])
+    good = {"states": states, "state_indices": x.state_indices, "results": results, "tree": tree,
+            "accepted": torch.tensor([0, 1])}
+    assert _layers_hold(**good), "the quick checks refuse good inputs: every call takes the slow path"
+    change, error, message = LAYERS_CASES[case]
+    args = dict(good, **change(states, results))
+    assert not _layers_hold(**args), f"{case}: the quick checks let it through"
+    before = states.clone()
+    with pytest.raises(error, match=message):
+        tree_commit_layers(**args)
+    assert torch.equal(states, before), "a refused commit wrote the pools"
+
+
 BETWEEN_ROUNDS_CASES = {
     "tree": (dict(tree=None), TypeError, "tree: expected the previous round's TreeBatch"),
     "num-slots-zero": (dict(num_slots=0), ValueError, "num_slots: expected a positive int"),

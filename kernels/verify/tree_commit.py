@@ -52,7 +52,7 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import INPUT_DTYPES, path_precision, require_tensor, use_triton
+from ..common import INDEX_DTYPES, INPUT_DTYPES, path_precision, require_tensor, use_triton, validation_enabled
 from ..launcher import FastLauncher, misaligned
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
@@ -387,18 +387,19 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         config: the launch (`CommitConfig`); None: the one tuned for a launch of this many layers (else the
             nearest tuned, else the untuned fallback: `commit_config`).
     """
-    require_tensor("states", states)
-    if not isinstance(results, LayerResults):
-        raise TypeError(f"results: expected LayerResults (LayerResults.empty, then out=results.layer(l)), "
-                        f"got {type(results).__name__}")
-    if states.dim() != 5 or states.shape[0] != results.num_layers:
-        raise ValueError(f"states: expected shape [L={results.num_layers}, num_slots, Hv, dv, dk], "
-                         f"got {tuple(states.shape)}")
-    for name in ("u", "log_decay", "k", "k_scale"):
-        if not getattr(results, name)[0].is_contiguous():
-            raise ValueError(f"results.{name}: each layer must be contiguous")
-    # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
-    check_commit_inputs(states[0], state_indices, results.layer(0, tree), accepted, validate)
+    if validation_enabled(validate) or not _layers_hold(states, state_indices, results, tree, accepted):
+        require_tensor("states", states)
+        if not isinstance(results, LayerResults):
+            raise TypeError(f"results: expected LayerResults (LayerResults.empty, then out=results.layer(l)), "
+                            f"got {type(results).__name__}")
+        if states.dim() != 5 or states.shape[0] != results.num_layers:
+            raise ValueError(f"states: expected shape [L={results.num_layers}, num_slots, Hv, dv, dk], "
+                             f"got {tuple(states.shape)}")
+        for name in ("u", "log_decay", "k", "k_scale"):
+            if not getattr(results, name)[0].is_contiguous():
+                raise ValueError(f"results.{name}: each layer must be contiguous")
+        # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
+        check_commit_inputs(states[0], state_indices, results.layer(0, tree), accepted, validate)
     if config is not None and type(config) is not CommitConfig:
         raise TypeError(f"config: expected a CommitConfig or None, got {type(config).__name__}")
     if not use_triton(states.device):
@@ -410,6 +411,32 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
             accepted, results.u, results.log_decay, results.k, results.k_scale, results.committed,
             tuple(x.stride(0) for x in (results.u, results.log_decay, results.k, results.k_scale, results.committed)),
             config)
+
+
+def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, accepted) -> bool:
+    """Whether every host-side condition of `tree_commit_layers`' checks holds (layer 0's `check_commit_inputs`
+    included), taken on the stacked tensors as plain comparisons: no layer's views are made (ten views, a third of
+    the call's Python). Stricter than the checks (the stacked factors contiguous as a whole, as
+    `LayerResults.empty` makes them): where it fails, the checks run and name what is wrong, if anything."""
+    tensor = torch.Tensor
+    if not (type(results) is LayerResults and type(tree) is TreeBatch and isinstance(states, tensor)
+            and isinstance(state_indices, tensor) and isinstance(accepted, tensor)):
+        return False
+    u, log_decay, k, k_scale, committed = results.u, results.log_decay, results.k, results.k_scale, results.committed
+    if not (isinstance(u, tensor) and isinstance(log_decay, tensor) and isinstance(k, tensor)
+            and isinstance(k_scale, tensor) and isinstance(committed, tensor)):
+        return False
+    ss, us, ks = states.shape, u.shape, k.shape
+    b, device = len(tree.sizes), u.device
+    return (len(ss) == 5 and len(us) == 4 and len(ks) == 4 and ss[0] == us[0] and ss[2] == us[2] and ss[3] == us[3]
+            and ss[4] == ks[3] and states.dtype == torch.float32 and states.stride(4) == 1
+            and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous() and k_scale.is_contiguous()
+            and state_indices.shape == (b,) and accepted.shape == (b,) and committed.shape == (us[0], b)
+            and state_indices.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES
+            and state_indices.stride(0) == 1 and accepted.stride(0) == 1
+            and state_indices.device == device and accepted.device == device and states.device == device
+            and k.device == device and log_decay.device == device and k_scale.device == device
+            and committed.device == device and tree.offsets.device == device)
 
 
 def _launch(states, layers: int, state_strides: tuple, state_indices, tree, accepted, u, log_decay, k, k_scale,
