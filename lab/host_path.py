@@ -171,6 +171,7 @@ def main() -> None:
         "tree_verify (default eager)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
         "tree_verify launch= out=": lambda: tree_verify(*a, out=res2, launch=launch),
+        "tree_verify out=layers.layer(l)": lambda: tree_verify(*a, out=layers.layer(5)),
         "tree_verify folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
         "tree_verify folded (pending=, default)": lambda: tree_verify(*a, pending=pending),
         "tree_verify ring read round (ring=)": lambda: tree_verify(*a, ring=read.layer(arena)),

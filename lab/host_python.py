@@ -92,6 +92,7 @@ def main() -> None:
     rows = {
         "tree_verify (default)": lambda: tree_verify(*a),
         "tree_verify out=": lambda: tree_verify(*a, out=res2),
+        "tree_verify out=layers.layer(l)": lambda: tree_verify(*a, out=layers.layer(5)),
         "folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
         "folded (pending=, default)": folded_default,
         "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),

@@ -132,3 +132,52 @@ def test_a_recycled_set_reshaped_in_place_is_never_handed_out_again(device):
         res = tree_verify(*x.args(tree))
         assert res.u.shape == (tree.num_nodes, 2, 32) and res.u.data_ptr() != used
     assert sum(entry[1] is None for sets in RESULT_POOL._sets.values() for entry in sets) == 1
+
+
+def stacked(tree, x, layers=3):
+    from bole_tune.kernels import LayerResults
+    from bole_tune.shapes import HeadShape
+
+    return LayerResults.empty(layers, tree, HeadShape(hk=1, hv=2, dk=32, dv=32), F32, x.q.device)
+
+
+def test_a_layer_s_result_is_kept_and_checked_by_its_record(device):
+    """`LayerResults.layer` hands out one object per layer: ``out=results.layer(l)`` round after round is checked by
+    its record, with the round's tree, and each layer's answers land in its own slice of the stacked buffers."""
+    tree, x = case(device)
+    other_tree, y = case(device, seed=1)
+    results = stacked(tree, x)
+    first = results.layer(1, tree)
+    assert results.layer(1, tree) is first and results.layer(0, tree) is not first
+    tree_verify(*x.args(tree), out=results.layer(1, tree))
+    record = result_stamp_of(first)
+    assert record is not None and checked_result(first, key_of(tree, x)) is record
+    assert other_tree.num_nodes == tree.num_nodes  # the same sizes, other parents
+    for layer, (t, z) in enumerate([(tree, x), (other_tree, y), (tree, x)]):
+        z.q.normal_()
+        res = tree_verify(*z.args(t), out=results.layer(layer, t))
+        assert res is results.layer(layer, t) and res.tree is t
+        assert_close(results.o[layer].float(), verify_reference(*z.args(t)).o, TOLERANCE[F32], f"layer {layer}'s o")
+    tree_verify(*x.args(tree), out=results.layer(1, tree))
+    assert result_stamp_of(first) is record, "the kept layer's record was made again although nothing changed"
+    assert results.layer(1).tree is None, "layer(l) without a tree must not show an earlier call's tree"
+
+
+@pytest.mark.parametrize("change", ["field", "set_", "result-field"])
+def test_a_layer_s_views_follow_the_stacked_tensors(device, change):
+    """A stacked tensor replaced (a field assigned, or moved to other memory by ``set_``), or a field of the kept
+    result replaced by its holder: the next ``layer`` call hands out views of what the stacked tensors are now."""
+    tree, x = case(device)
+    results = stacked(tree, x)
+    kept = results.layer(2, tree)
+    if change == "field":
+        results.u = torch.zeros_like(results.u)
+    elif change == "set_":
+        results.u.set_(torch.zeros_like(results.u))
+    else:
+        kept.u = torch.zeros_like(kept.u)
+    res = results.layer(2, tree)
+    assert res.u.data_ptr() == results.u[2].data_ptr() and res.u.shape == results.u[2].shape
+    tree_verify(*x.args(tree), out=res)
+    assert_close(results.o[2].float(), verify_reference(*x.args(tree)).o, TOLERANCE[F32], "o after the change")
+    assert_close(results.u[2], res.u, 0.0, "u lands in the stacked tensor")

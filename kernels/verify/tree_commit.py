@@ -363,16 +363,47 @@ class LayerResults:
         return self.u.shape[0]
 
     def layer(self, index: int, tree: TreeBatch | None = None) -> TreeVerifyResult:
-        """Layer ``index``'s `TreeVerifyResult` (views into the stacked buffers)."""
+        """Layer ``index``'s `TreeVerifyResult` (views into the stacked buffers), its ``tree`` set to ``tree``.
+
+        One object per layer, kept while the six stacked tensors are the same objects over the same memory: each call
+        returns it again, so ``tree_verify(out=results.layer(l))`` checks it by the record of its last check
+        (`result.stamp_result`) and no views are made again (making them and checking the result in full took half
+        of an eager verify's Python: 21.2 against 11.6 us a call on a CPU, the launch left out;
+        ``lab/host_python.py``). A result taken earlier for the same layer is that object: like its memory, which
+        the layer's next verify writes, it shows the last call's tree."""
         if type(index) is not int:
             try:
                 index = operator.index(index)
             except TypeError:
                 raise TypeError(f"index: expected an int (a layer), got {type(index).__name__}") from None
-        if not 0 <= index < self.u.shape[0]:
-            raise IndexError(f"index: expected a layer in [0, {self.u.shape[0]}), got {index}")
-        return TreeVerifyResult(o=self.o[index], u=self.u[index], log_decay=self.log_decay[index], k=self.k[index],
-                                k_scale=self.k_scale[index], committed=self.committed[index], tree=tree)
+        o, u, log_decay, k, k_scale, committed = self.o, self.u, self.log_decay, self.k, self.k_scale, self.committed
+        layers = u.shape[0]
+        if not 0 <= index < layers:
+            raise IndexError(f"index: expected a layer in [0, {layers}), got {index}")
+        kept = self.__dict__.get("_kept_layers")
+        if not (kept is not None and kept[0] is o and kept[1] is u and kept[2] is log_decay and kept[3] is k
+                and kept[4] is k_scale and kept[5] is committed and kept[6] == layers
+                and kept[7] == (o.data_ptr(), u.data_ptr(), log_decay.data_ptr(), k.data_ptr(), k_scale.data_ptr(),
+                                committed.data_ptr())):
+            # new tensors, or one of them moved to other memory (``set_``, ``.data =``): the views made afresh
+            kept = self.__dict__["_kept_layers"] = (
+                o, u, log_decay, k, k_scale, committed, layers,
+                (o.data_ptr(), u.data_ptr(), log_decay.data_ptr(), k.data_ptr(), k_scale.data_ptr(),
+                 committed.data_ptr()), [None] * layers)
+        entry = kept[8][index]  # (the result, its six views)
+        if entry is not None:
+            res, views = entry
+            if (res.o is views[0] and res.u is views[1] and res.log_decay is views[2] and res.k is views[3]
+                    and res.k_scale is views[4] and res.committed is views[5]):
+                res.tree = tree
+                return res
+            # a field of the kept result was replaced by its holder: a new result over the same views
+            res = TreeVerifyResult(*views, tree=tree)
+        else:
+            res = TreeVerifyResult(o=o[index], u=u[index], log_decay=log_decay[index], k=k[index],
+                                   k_scale=k_scale[index], committed=committed[index], tree=tree)
+        kept[8][index] = (res, (res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed))
+        return res
 
 
 def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeBatch, accepted,
