@@ -83,6 +83,13 @@ def main() -> None:
     states = x.state[None].expand(24, *x.state.shape).contiguous()
     layers = LayerResults.empty(24, tree, shape.heads, torch.bfloat16, "cpu")
     kept = [tree_verify(*a)]
+    stacks = [LayerResults.empty(24, tree, shape.heads, torch.bfloat16, "cpu") for _ in range(2)]
+    turn = [0]
+
+    def folded_layers():  # an engine's folded round over stacked results: two sets, alternating, layer 5 each round
+        turn[0] += 1
+        out, prev = stacks[turn[0] % 2], stacks[(turn[0] + 1) % 2]
+        tree_verify(*a, out=out.layer(5, tree), pending=PendingCommit(paths, prev.layer(5, tree)))
 
     def folded_default():  # an engine's default folded call: the result it returns is the next call's pending
         kept[0] = tree_verify(*a, pending=PendingCommit(paths, kept[0]))
@@ -95,6 +102,7 @@ def main() -> None:
         "tree_verify out=layers.layer(l)": lambda: tree_verify(*a, out=layers.layer(5)),
         "folded (pending=, out=)": lambda: tree_verify(*a, out=res2, pending=pending),
         "folded (pending=, default)": folded_default,
+        "folded (out=, pending= layer views)": folded_layers,
         "tree_commit": lambda: tree_commit(x.state, x.state_indices, res, accepted),
         "tree_commit_layers (24)": lambda: tree_commit_layers(states, x.state_indices, layers, tree, accepted),
         "  check_verify_inputs": lambda: check_verify_inputs(*a, None, None),

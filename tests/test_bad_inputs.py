@@ -398,6 +398,9 @@ LAYERS_CASES = {  # what the all-layer commit's named checks refuse: (change, er
                         ValueError, "results.u: each layer must be contiguous"),
     "committed-1d": (lambda s, r: dict(results=dataclasses.replace(r, committed=r.committed[0])), ValueError,
                      "res.committed: expected shape"),
+    "committed-strided": (lambda s, r: dict(results=dataclasses.replace(
+        r, committed=torch.zeros(2, 2 * r.committed.shape[1], dtype=torch.int32)[:, ::2])), ValueError,
+        "results.committed: each layer must be contiguous"),
     "k-scale-device": (lambda s, r: dict(results=dataclasses.replace(r, k_scale=r.k_scale.to("meta"))), ValueError,
                        "res.k_scale: on device meta"),
     "results-type": (lambda s, r: dict(results=r.layer(0)), TypeError, "results: expected LayerResults"),

@@ -181,3 +181,26 @@ def test_a_layer_s_views_follow_the_stacked_tensors(device, change):
     tree_verify(*x.args(tree), out=res)
     assert_close(results.o[2].float(), verify_reference(*x.args(tree)).o, TOLERANCE[F32], "o after the change")
     assert_close(results.u[2], res.u, 0.0, "u lands in the stacked tensor")
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 5])
+def test_a_layer_s_result_starts_on_16_byte_boundaries(device, requests):
+    """`LayerResults.empty` pads each layer's marks to 16 bytes: with head counts that are multiples of 4 (every model
+    profile's) each layer's six tensors are 16-byte aligned, so its launches are keyed as aligned ones (the short
+    path: `launcher.misaligned` is None) and Triton specialises them as such."""
+    from bole_tune.kernels import LayerResults
+    from bole_tune.kernels.launcher import misaligned
+    from bole_tune.shapes import HeadShape
+    from bole_tune.workloads import make_tree
+
+    tree = make_tree([3] * requests, "random", max_depth=8, seed=requests, device=device)
+    results = LayerResults.empty(3, tree, HeadShape(hk=4, hv=8, dk=32, dv=32), torch.bfloat16, device)
+    for layer in range(3):
+        res = results.layer(layer, tree)
+        pointers = tuple(x.data_ptr() for x in (res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed))
+        bits = 0
+        for p in pointers:
+            bits |= p
+        assert misaligned(pointers, bits) is None, f"layer {layer} of {requests} requests: {[p % 16 for p in pointers]}"
+        assert res.committed.is_contiguous() and res.committed.shape == (requests,)
+    assert torch.equal(results.committed, torch.zeros(3, requests, dtype=torch.int32, device=device))

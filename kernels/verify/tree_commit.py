@@ -350,13 +350,16 @@ class LayerResults:
             raise TypeError(f"heads: expected a HeadShape, got {type(heads).__name__}")
         if dtype not in INPUT_DTYPES:
             raise TypeError(f"dtype: {dtype} is not an input dtype of the verify (bfloat16, float16 or float32)")
-        n, h = tree.num_nodes, heads
+        n, h, b = tree.num_nodes, heads, tree.num_requests
+        # each layer's marks start on a 16-byte boundary (rows padded to 4): a layer's result is then aligned
+        # wherever the model's head counts are multiples of 4, and its launches take the aligned key's short path
+        committed = torch.zeros(num_layers, -(-b // 4) * 4, dtype=torch.int32, device=device)[:, :b]
         return cls(o=torch.empty(num_layers, n, h.hv, h.dv, dtype=dtype, device=device),
                    u=torch.empty(num_layers, n, h.hv, h.dv, dtype=torch.float32, device=device),
                    log_decay=torch.empty(num_layers, n, h.hv, dtype=torch.float32, device=device),
                    k=torch.empty(num_layers, n, h.hk, h.dk, dtype=dtype, device=device),
                    k_scale=torch.empty(num_layers, n, h.hk, dtype=torch.float32, device=device),
-                   committed=torch.zeros(num_layers, tree.num_requests, dtype=torch.int32, device=device))
+                   committed=committed)
 
     @property
     def num_layers(self) -> int:
@@ -426,7 +429,7 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         if states.dim() != 5 or states.shape[0] != results.num_layers:
             raise ValueError(f"states: expected shape [L={results.num_layers}, num_slots, Hv, dv, dk], "
                              f"got {tuple(states.shape)}")
-        for name in ("u", "log_decay", "k", "k_scale"):
+        for name in ("u", "log_decay", "k", "k_scale", "committed"):
             if not getattr(results, name)[0].is_contiguous():
                 raise ValueError(f"results.{name}: each layer must be contiguous")
         # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
@@ -463,6 +466,7 @@ def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, 
             and ss[4] == ks[3] and states.dtype == torch.float32 and states.stride(4) == 1
             and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous() and k_scale.is_contiguous()
             and state_indices.shape == (b,) and accepted.shape == (b,) and committed.shape == (us[0], b)
+            and committed.stride(1) == 1
             and state_indices.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES
             and state_indices.stride(0) == 1 and accepted.stride(0) == 1
             and state_indices.device == device and accepted.device == device and states.device == device
