@@ -256,7 +256,7 @@ def test_rounds_keep_each_layers_result_and_stay_exact(device):
     for _ in range(2):
         o, pool = adapter_round(case, device, kernel=kernel, pools=[pool])
         rnd = kernel._current
-        kept.append(kernel._layer_out(rnd.results, 0, rnd.tree))
+        kept.append(rnd.results.layer(0, rnd.tree))
         outs.append(o.clone())
     assert kept[0] is kept[1] and result_stamp_of(kept[1]) is not None
     fresh = case["pool"].to(device).clone()

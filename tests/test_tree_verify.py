@@ -427,6 +427,39 @@ def test_resident_self_check_passes_a_good_config(device):
         assert error <= tolerance, (deep, error, tolerance)
 
 
+def test_one_commit_launch_for_all_layers_of_sliced_stacks(device):
+    """An engine's stacked results as slices of larger buffers (more layers, nodes and requests, as SGLang's adapter
+    keeps them): every layer's rows row-major, the layers further apart. The all-layer commit takes them by its quick
+    checks (`tree_commit._layers_hold`, no views made) and commits each layer to the float64 reference."""
+    from bole_tune.kernels import LayerResults, tree_commit_layers
+    from bole_tune.kernels.verify.tree_commit import _layers_hold
+    from bole_tune.shapes import HeadShape
+
+    sizes, layers = [5, 1, 9], 3
+    tree = make_tree(sizes, "random", seed=33, device=device)
+    heads = HeadShape(hk=1, hv=2, dk=32, dv=32)
+    big = LayerResults.empty(layers + 2, make_tree([12] * 5, "random", seed=34, device=device), heads, torch.float32,
+                             device)
+    n, b = tree.num_nodes, tree.num_requests
+    results = LayerResults(o=big.o[:layers, :n], u=big.u[:layers, :n], log_decay=big.log_decay[:layers, :n],
+                           k=big.k[:layers, :n], k_scale=big.k_scale[:layers, :n], committed=big.committed[:layers, :b])
+    assert not results.u.is_contiguous()
+    accepted = torch.tensor([4, -1, 8], device=device)
+    pools, expected = [], []
+    for layer in range(layers):
+        x = make_inputs(tree, 1, 2, 32, 32, torch.float32, device, seed=50 + layer)
+        if layer:
+            x.state_indices.copy_(pools[0][1])
+        tree_verify(*x.args(tree), out=results.layer(layer, tree))
+        pools.append((x.state, x.state_indices))
+        expected.append(verify_reference(*x.args(tree)).committed(x.state, x.state_indices, tree, accepted))
+    states = torch.stack([p for p, _ in pools])
+    assert _layers_hold(states, pools[0][1], results, tree, accepted), "sliced stacks must take the quick checks"
+    tree_commit_layers(states, pools[0][1], results, tree, accepted)
+    for layer in range(layers):
+        assert_close(states[layer], expected[layer], TOLERANCE[torch.float32], f"layer {layer}")
+
+
 @pytest.mark.parametrize("loads", ["tuned", "tma", "tma-first-by-pointer", "path-table", "path-table-tma"])
 @pytest.mark.parametrize("layers,sizes,kind", [(3, [5, 1, 9], "random"), (1, [20], "random"), (2, [18, 3], "chain")],
                          ids=["L3-B3", "L1-B1", "L2-B2-deep-chain"])

@@ -132,7 +132,7 @@ class SGLangTreeVerifyKernel:
         self._rounds: dict[tuple, _Round] = {}
         self._current: _Round | None = None
         self._layer_ids: dict = {}
-        self._views: dict = {}  # (layers, nodes, requests) -> (storage, its LayerResults views, each layer's result)
+        self._views: dict = {}  # (layers, nodes, requests) -> (storage, its LayerResults views)
         self._heads: dict = {}  # (hk, hv, dk, dv) -> HeadShape (checked once)
 
     # the layer of a call
@@ -179,20 +179,8 @@ class SGLangTreeVerifyKernel:
                 self._views.clear()
             results = LayerResults(o=s.o[:layers, :n], u=s.u[:layers, :n], log_decay=s.log_decay[:layers, :n],
                                    k=s.k[:layers, :n], k_scale=s.k_scale[:layers, :n], committed=s.committed[:layers, :b])
-            views = self._views[key] = (s, results, {})
+            views = self._views[key] = (s, results)
         return views[1]
-
-    def _layer_out(self, results: LayerResults, layer: int, tree: TreeBatch):
-        """Layer ``layer``'s `TreeVerifyResult` of ``results`` for ``out=``: one object per layer, kept while the round
-        size and the storage stay, so `tree_verify` checks it by the record of its last check instead of in full
-        (`result.stamp_result`); new views only for results made elsewhere."""
-        views = self._views.get((results.num_layers, tree.num_nodes, tree.num_requests))
-        if views is None or views[1] is not results:
-            return results.layer(layer, tree)
-        out = views[2].get(layer)
-        if out is None:
-            out = views[2][layer] = results.layer(layer, tree)
-        return out
 
     def _gates_out(self, rnd: _Round, n: int, hv: int, device) -> tuple:
         """The round's ``(g, beta)`` buffers, shared by its layers: each layer's gates are written and read by its
@@ -263,7 +251,7 @@ class SGLangTreeVerifyKernel:
             b = b.reshape(n, hv)
         g, beta = gdn_gates(a, b, A_log, dt_bias, validate=False, out=self._gates_out(rnd, n, hv, q.device))
         res = tree_verify(q[0], k[0], v[0], g, beta, ssm_states, rnd.slots, rnd.tree, config=None,
-                          validate=self.validate, out=self._layer_out(rnd.results, layer, rnd.tree))
+                          validate=self.validate, out=rnd.results.layer(layer, rnd.tree))
         rnd.layers.add(layer)
         return res.o.unsqueeze(0)
 

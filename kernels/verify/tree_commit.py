@@ -449,9 +449,10 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
 
 def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, accepted) -> bool:
     """Whether every host-side condition of `tree_commit_layers`' checks holds (layer 0's `check_commit_inputs`
-    included), taken on the stacked tensors as plain comparisons: no layer's views are made (ten views, a third of
-    the call's Python). Stricter than the checks (the stacked factors contiguous as a whole, as
-    `LayerResults.empty` makes them): where it fails, the checks run and name what is wrong, if anything."""
+    included), taken on the stacked tensors as plain comparisons: no layer's views are made (ten views, half of the
+    call's Python). Stricter than the checks (each layer's factors laid out row-major by their strides, with any layer
+    stride: `LayerResults.empty`'s, or the layers and rows of larger buffers an engine slices): where it fails, the
+    checks run and name what is wrong, if anything."""
     tensor = torch.Tensor
     if not (type(results) is LayerResults and type(tree) is TreeBatch and isinstance(states, tensor)
             and isinstance(state_indices, tensor) and isinstance(accepted, tensor)):
@@ -464,7 +465,9 @@ def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, 
     b, device = len(tree.sizes), u.device
     return (len(ss) == 5 and len(us) == 4 and len(ks) == 4 and ss[0] == us[0] and ss[2] == us[2] and ss[3] == us[3]
             and ss[4] == ks[3] and states.dtype == torch.float32 and states.stride(4) == 1
-            and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous() and k_scale.is_contiguous()
+            and u.stride()[1:] == (us[2] * us[3], us[3], 1) and k.stride()[1:] == (ks[2] * ks[3], ks[3], 1)
+            and log_decay.shape == us[:3] and log_decay.stride()[1:] == (us[2], 1)
+            and k_scale.shape == ks[:3] and k_scale.stride()[1:] == (ks[2], 1)
             and state_indices.shape == (b,) and accepted.shape == (b,) and committed.shape == (us[0], b)
             and committed.stride(1) == 1
             and state_indices.dtype in INDEX_DTYPES and accepted.dtype in INDEX_DTYPES
