@@ -162,7 +162,7 @@ def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
     if len(us) != 3 or len(ks) != 3 or len(ss) != 4:
         return False
     b, device = len(result.tree.sizes), result.u.device
-    return (ss[1] == us[1] and ss[2] == us[2] and ss[3] == ks[2] and state.dtype == torch.float32
+    return (us[0] == result.tree.num_nodes and ks[0] == us[0] and ss[1] == us[1] and ss[2] == us[2] and ss[3] == ks[2] and state.dtype == torch.float32
             and state.stride(3) == 1 and state_indices.shape == (b,) and accepted.shape == (b,)
             and result.committed.shape == (b,) and state_indices.dtype in INDEX_DTYPES
             and accepted.dtype in INDEX_DTYPES and state_indices.stride(0) == 1 and accepted.stride(0) == 1
@@ -178,8 +178,15 @@ def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
     for name, x in (("state", state), ("state_indices", state_indices), ("accepted", accepted)):
         require_tensor(name, x)
     tree = result.tree
+    if not isinstance(tree, TreeBatch):
+        raise TypeError(f"res.tree: expected the TreeBatch the result verified, got {type(tree).__name__}")
+    require_dim("res.u", result.u, 3, "[N, Hv, dv]")
+    require_dim("res.k", result.k, 3, "[N, Hk, dk]")
     n, hv, dv = result.u.shape
     dk = result.k.shape[2]
+    if n != tree.num_nodes or result.k.shape[0] != n:
+        raise ValueError(f"res: its factors have {n} rows (u) and {result.k.shape[0]} (k) but its tree has "
+                         f"{tree.num_nodes} nodes: commit a result with the tree it verified")
     require_dim("state", state, 4, "[num_slots, Hv, dv, dk]")
     require_shape("state", state, (state.shape[0], hv, dv, dk), "[num_slots, Hv, dv, dk] as verified")
     if state.dtype != torch.float32:

@@ -432,6 +432,9 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         for name in ("u", "log_decay", "k", "k_scale", "committed"):
             if not getattr(results, name)[0].is_contiguous():
                 raise ValueError(f"results.{name}: each layer must be contiguous")
+        if isinstance(tree, TreeBatch) and results.u.dim() == 4 and results.u.shape[1] != tree.num_nodes:
+            raise ValueError(f"tree: has {tree.num_nodes} nodes but results hold {results.u.shape[1]} rows a layer "
+                             "(pass the tree the layers verified)")
         # the layers share one tensor each: layer 0's checks (shapes, dtypes, devices, values) hold for all
         check_commit_inputs(states[0], state_indices, results.layer(0, tree), accepted, validate)
     if config is not None and type(config) is not CommitConfig:
@@ -464,7 +467,7 @@ def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, 
     ss, us, ks = states.shape, u.shape, k.shape
     b, device = len(tree.sizes), u.device
     return (len(ss) == 5 and len(us) == 4 and len(ks) == 4 and ss[0] == us[0] and ss[2] == us[2] and ss[3] == us[3]
-            and ss[4] == ks[3] and states.dtype == torch.float32 and states.stride(4) == 1
+            and ss[4] == ks[3] and us[1] == tree.num_nodes and ks[0] == us[0] and ks[1] == us[1] and states.dtype == torch.float32 and states.stride(4) == 1
             and u.stride()[1:] == (us[2] * us[3], us[3], 1) and k.stride()[1:] == (ks[2] * ks[3], ks[3], 1)
             and log_decay.shape == us[:3] and log_decay.stride()[1:] == (us[2], 1)
             and k_scale.shape == ks[:3] and k_scale.stride()[1:] == (ks[2], 1)
