@@ -20,6 +20,9 @@
 #   commit    tune the commit launches (bole-tune tune --commit --quick) into $OUT's database, for each model of
 #             COMMIT_MODELS (default qwen3.5-9b; the shipped database has entries for qwen3.5-27b and
 #             qwen3.5-122b-a10b too: about 130-170 s a model), each under COMMIT_TIMEOUT
+#   rounds    tune the folded verify's and a ring write round's configs (bole-tune tune --fold, then --ring) for the
+#             9B at ROUNDS_BATCHES (default 16,32) x ROUNDS_TREES (default 32) into $OUT's database: buckets whose
+#             rounds otherwise run the verify's tiles (at T32 those spill: BENCHMARKS.md, "Thirty-fifth session")
 #   sglang    the SGLang adapter against SGLang 0.5.23's own kernel: its tests on the GPU (production shapes
 #             included) and the side-by-side benchmark (JSON in $OUT/sglang-bench.json). SGLang's kernel comes
 #             from $BOLE_TUNE_ENGINE_PACKAGES, default ./.sgk where present: build it with
@@ -37,7 +40,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=150
 LOG="$OUT/run.log"
 stages=${*:-gputests bench}
 for stage in $stages; do
-  case $stage in tests|gputests|validate|profile|bench|grid|step|lookup|sglang|commit) ;; *) echo "unknown stage $stage (tests gputests validate profile bench grid step lookup sglang commit)"; exit 2 ;; esac
+  case $stage in tests|gputests|validate|profile|bench|grid|step|lookup|sglang|commit|rounds) ;; *) echo "unknown stage $stage (tests gputests validate profile bench grid step lookup sglang commit rounds)"; exit 2 ;; esac
 done
 
 rows=()
@@ -82,6 +85,14 @@ run_stage() {  # run_stage STAGE: the stage's command, its whole output in $OUT/
         for model in ${COMMIT_MODELS:-qwen3.5-9b}; do
           timeout "${COMMIT_TIMEOUT:-400}" bole-tune tune --commit --quick --model "$model" --db-dir "$OUT" \
             --storage "sqlite:///$OUT/commit-studies.sqlite3" || failed_rc=$?
+        done
+        return $failed_rc ;;
+    rounds) [ -f "$OUT/nvidia-h200.yaml" ] || cp tuning_db/nvidia-h200.yaml "$OUT/"
+        local failed_rc=0
+        for launch in --fold --ring; do
+          timeout "${ROUNDS_TIMEOUT:-200}" bole-tune tune "$launch" --model qwen3.5-9b --batch "${ROUNDS_BATCHES:-16,32}" \
+            --tree-size "${ROUNDS_TREES:-32}" --trials "${ROUNDS_TRIALS:-10}" --db-dir "$OUT" \
+            --storage "sqlite:///$OUT/rounds-studies.sqlite3" || failed_rc=$?
         done
         return $failed_rc ;;
     sglang) [ -d .sgk ] && export BOLE_TUNE_ENGINE_PACKAGES=${BOLE_TUNE_ENGINE_PACKAGES:-$PWD/.sgk}
