@@ -164,6 +164,7 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
+    state_indices = state_indices.contiguous()  # read by index (stride 1): a strided view is copied on the device
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_n, block_c = 16, 128
     grid = (triton.cdiv(tree.num_nodes, block_n), triton.cdiv(channels, block_c))
@@ -195,6 +196,8 @@ def tree_conv_commit(conv_state, state_indices, x, tree: TreeBatch, accepted, va
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
+    # read by index (stride 1): a strided view is copied on the device
+    state_indices, accepted = state_indices.contiguous(), accepted.contiguous()
     block_c = 128
     grid = (tree.num_requests, triton.cdiv(channels, block_c))
     tree_conv_commit_kernel[grid](

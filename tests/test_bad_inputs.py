@@ -211,6 +211,26 @@ COMMIT_CASES = {
                       "res.tree: expected the TreeBatch"),
     "res-field-device": (lambda t, x, r: dict(res=dataclasses.replace(r, k_scale=r.k_scale.to("meta"))), ValueError,
                          "res.k_scale: on device meta"),
+    # the factors the kernel reads, each as tree_verify makes it (before, a strided u was read by its sizes: a wrong
+    # state; an fp64 log_decay crashed inside Triton)
+    "res-u-strided": (lambda t, x, r: dict(res=dataclasses.replace(r, u=r.u.transpose(1, 2).contiguous()
+                                                                   .transpose(1, 2))),
+                      ValueError, "res.u: must be contiguous"),
+    "res-u-bf16": (lambda t, x, r: dict(res=dataclasses.replace(r, u=r.u.bfloat16())), TypeError,
+                   "res.u: dtype torch.bfloat16; expected torch.float32"),
+    "res-log-decay-fp64": (lambda t, x, r: dict(res=dataclasses.replace(r, log_decay=r.log_decay.double())), TypeError,
+                           "res.log_decay: dtype torch.float64"),
+    "res-log-decay-shape": (lambda t, x, r: dict(res=dataclasses.replace(r, log_decay=r.log_decay[:, :2])), ValueError,
+                            r"res.log_decay: expected shape \[N, Hv\] = \(8, 4\), got \(8, 2\)"),
+    "res-k-scale-missing": (lambda t, x, r: dict(res=dataclasses.replace(r, k_scale=None)), TypeError,
+                            "res.k_scale: expected a torch.Tensor"),
+    "res-k-float64": (lambda t, x, r: dict(res=dataclasses.replace(r, k=r.k.double())), TypeError,
+                      "res.k: dtype torch.float64; expected the inputs' dtype"),
+    "res-k-heads": (lambda t, x, r: dict(res=dataclasses.replace(r, k=torch.zeros(8, 3, 32),
+                                                                  k_scale=torch.ones(8, 3))),
+                    ValueError, "res.k: has 3 key heads; res.u's Hv=4 value heads must be a positive multiple"),
+    "res-committed-int64": (lambda t, x, r: dict(res=dataclasses.replace(r, committed=r.committed.long())), TypeError,
+                            "res.committed: dtype torch.int64; expected torch.int32"),
 }
 
 
@@ -415,6 +435,16 @@ LAYERS_CASES = {  # what the all-layer commit's named checks refuse: (change, er
     "accepted-float": (lambda s, r: dict(accepted=torch.tensor([0.0, 1.0])), TypeError, "accepted: dtype"),
     "slots-strided": (lambda s, r: dict(state_indices=torch.tensor([0, 9, 1, 9], dtype=torch.int32)[::2]),
                       ValueError, "state_indices: must be contiguous"),
+    "u-bf16": (lambda s, r: dict(results=dataclasses.replace(r, u=r.u.bfloat16())), TypeError,
+               "res.u: dtype torch.bfloat16; expected torch.float32"),
+    "log-decay-fp16": (lambda s, r: dict(results=dataclasses.replace(r, log_decay=r.log_decay.half())), TypeError,
+                       "res.log_decay: dtype torch.float16"),
+    "k-int": (lambda s, r: dict(results=dataclasses.replace(r, k=r.k.int())), TypeError, "res.k: dtype torch.int32"),
+    "k-heads": (lambda s, r: dict(results=dataclasses.replace(r, k=torch.zeros(2, 8, 3, 32),
+                                                              k_scale=torch.ones(2, 8, 3))),
+                ValueError, "res.k: has 3 key heads"),
+    "committed-int64": (lambda s, r: dict(results=dataclasses.replace(r, committed=r.committed.long())), TypeError,
+                        "res.committed: dtype torch.int64"),
 }
 
 

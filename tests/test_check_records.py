@@ -109,6 +109,58 @@ def test_a_pending_result_must_be_whole_and_contiguous(device):
         tree_verify(*x.args(tree), pending=PendingCommit(paths, res))
 
 
+def committed_reference(tree, x, accepted):
+    """The pool after committing ``accepted`` (local nodes, one per request), from the float64 node-by-node states."""
+    ref = verify_reference(*x.args(tree))
+    expected = x.state.clone()
+    for r, node in enumerate(accepted):
+        expected[int(x.state_indices[r])] = ref.states[int(tree.offsets[r]) + node].to(F32)
+    return expected
+
+
+def test_a_commit_checks_a_verified_result_by_its_record(device, monkeypatch):
+    """The commit takes a result a verify made or checked by its record (no field comparisons), and a result changed
+    in place since (its version moved) through the full checks, which name the field."""
+    from bole_tune.kernels import tree_commit
+    from bole_tune.kernels.verify import checks
+
+    tree, x = case(device, seed=3)
+    accepted = [3, 6]
+    res = tree_verify(*x.args(tree))
+
+    def no_field_checks(*args, **kwargs):
+        raise AssertionError("a recorded result was compared field by field")
+
+    with monkeypatch.context() as m:
+        m.setattr(checks, "factors_fit", no_field_checks)
+        tree_commit(x.state, x.state_indices, res, torch.tensor(accepted, device=x.q.device))
+    x_before = case(device, seed=3)[1]
+    assert_close(x.state, committed_reference(tree, x_before, accepted), TOLERANCE[F32], "commit by record")
+    res2 = tree_verify(*x.args(tree))
+    n = tree.num_nodes
+    res2.u.as_strided_((n, 2, 32), (1, n, 2 * n))  # the same shape, its rows no longer where the commit reads them
+    before = x.state.clone()
+    with pytest.raises(ValueError, match=r"res\.u: must be contiguous"):
+        tree_commit(x.state, x.state_indices, res2, torch.tensor(accepted, device=x.q.device))
+    assert torch.equal(x.state, before), "a refused commit wrote the pool"
+
+
+def test_a_commit_of_a_result_without_record_checks_its_factors_not_its_outputs(device):
+    """A result the caller assembled (no record) is compared field by field: the five fields the commit reads. Its
+    outputs ``o`` are not read and not required."""
+    from bole_tune.kernels import tree_commit
+
+    tree, x = case(device, seed=4)
+    accepted = [4, 0]
+    verified = tree_verify(*x.args(tree))
+    res = TreeVerifyResult(None, verified.u.clone(), verified.log_decay.clone(), verified.k.clone(),
+                           verified.k_scale.clone(), torch.zeros(2, dtype=torch.int32, device=x.q.device), tree)
+    assert result_stamp_of(res) is None
+    x_before = case(device, seed=4)[1]
+    tree_commit(x.state, x.state_indices, res, torch.tensor(accepted, device=x.q.device))
+    assert_close(x.state, committed_reference(tree, x_before, accepted), TOLERANCE[F32], "commit without record")
+
+
 def test_a_recycled_set_written_through_torch_is_checked_again_and_used(device):
     tree, x = case(device)
     first = tree_verify(*x.args(tree))

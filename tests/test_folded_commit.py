@@ -151,6 +151,34 @@ def test_path_rows_are_the_accepted_paths(device, kind, how, monkeypatch):
         assert paths.path_rows[r].tolist() == expected, f"request {r} (previous request {prev})"
 
 
+def strided(values, pad, device):
+    """``values`` as every other element of a larger int32 tensor (``pad`` between them): a strided 1-D view, as a
+    column of an engine's table would be."""
+    return torch.tensor([v for x in values for v in (x, pad)], dtype=torch.int32, device=device)[::2]
+
+
+@pytest.mark.parametrize("how", ["kernel", "torch"])
+def test_path_rows_of_strided_indices_are_those_of_their_values(device, how, monkeypatch):
+    """``accepted``, ``request_map`` and `between_rounds`' slots given as strided views give the paths of their
+    values (the kernel reads them by index: they are copied first; before, it read the storage's neighbours)."""
+    if how == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device = "cpu"
+    tree = make_tree([6, 9, 4], "random", max_depth=5, seed=2, device=device)
+    accepted, request_map = [3, 8, 0], [2, 0, -1, 1]
+    plain = PendingPaths(tree, torch.tensor(accepted, device=device), torch.tensor(request_map, device=device))
+    views = PendingPaths(tree, strided(accepted, 0, device), strided(request_map, 1, device))
+    assert torch.equal(views.path_rows, plain.path_rows)
+    assert (plain.path_rows[1] >= 0).sum() == len(tree.path_to(0, 3))  # a real path, not an empty table
+    slots, following = [4, 1, 6], [6, 2, 4, 1]
+    plain = PendingPaths.between_rounds(tree, torch.tensor(accepted, device=device), torch.tensor(slots, device=device),
+                                        torch.tensor(following, device=device), 8)
+    views = PendingPaths.between_rounds(tree, strided(accepted, 0, device), strided(slots, 7, device),
+                                        strided(following, 7, device), 8)
+    assert torch.equal(views.request_map, plain.request_map) and torch.equal(views.path_rows, plain.path_rows)
+    assert plain.request_map.tolist() == [2, -1, 0, 1]
+
+
 @pytest.mark.parametrize("path", ["kernel", "fallback"])
 def test_committing_twice_is_a_no_op(device, path, monkeypatch):
     """A second tree_commit of the same result, or a fold of a path a flush already committed, changes nothing:

@@ -52,6 +52,23 @@ def test_tree_conv_and_commit_match_the_reference(device, sizes, kind, channels,
             assert torch.equal(ours[slot], before[slot]), f"slot {slot} changed"
 
 
+def test_conv_and_its_commit_take_strided_slots_and_accepted_nodes_by_their_values(device):
+    """Slots and accepted nodes given as strided views (every other element of a larger tensor) are their values:
+    the kernels read them by index, so they are copied first (before, a view's neighbour in memory named the slot)."""
+    tree, x, state, weight, slots = conv_case(device, [6, 4, 5], "random", 24, 4, F32, seed=2)
+    accepted = torch.tensor([5, -1, 2], dtype=torch.int32, device=device)
+
+    def strided(t, pad):
+        return torch.stack([t, torch.full_like(t, pad)], 1).reshape(-1)[::2]
+
+    assert relative_error(tree_conv(x, state, weight, strided(slots, 0), tree),
+                          tree_conv_reference(x, state, weight, slots, tree)) <= 1e-5
+    ours, expected = state.clone(), state.clone()
+    tree_conv_commit(ours, strided(slots, 0), x, tree, strided(accepted, 0))
+    tree_conv_commit_reference(expected, slots, x, tree, accepted)
+    assert torch.equal(ours, expected)
+
+
 def test_conv_window_reaches_into_the_committed_state(device):
     """A root's window is (state[-3], state[-2], state[-1], x): checked by hand, width 4."""
     tree = TreeBatch.from_parents([[-1, 0]], device=device)

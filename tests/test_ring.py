@@ -195,6 +195,28 @@ def test_ring_rounds_write_every_r_rounds(device, path, monkeypatch):
     assert ring.rows[1].tolist()[:4] == [2 * 16 + r for r in range(4)]
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_end_takes_strided_slots_and_accepted_nodes_by_their_values(device, path, monkeypatch):
+    """`PendingRing.end` with ``state_indices`` and ``accepted`` as strided views (every other element of a larger
+    tensor) fills the tables as with their values (the kernel reads them by index: they are copied first; before, a
+    strided view's neighbour in memory named the slot)."""
+    if path == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        device = "cpu"
+    tree = make_tree([4, 3, 5], "random", max_depth=4, seed=6, device=device)
+    slots, accepted = [2, 6, 5], [3, -1, 4]
+    tables = []
+    for make in (lambda v, pad: torch.tensor(v, dtype=torch.int32, device=device),
+                 lambda v, pad: torch.tensor([e for x in v for e in (x, pad)], dtype=torch.int32, device=device)[::2]):
+        ring = PendingRing(NUM_SLOTS, 2, 5, capacity=16, max_requests=4, device=device)
+        for _ in range(2):
+            ring.end(ring.begin(tree), make(slots, 7), make(accepted, 1))
+        tables.append((ring.rows.clone(), ring.last.clone(), ring.count.clone()))
+    (rows, last, count), (rows_v, last_v, count_v) = tables
+    assert torch.equal(rows_v, rows) and torch.equal(last_v, last) and torch.equal(count_v, count)
+    assert count.tolist() == [0, 0, 2 * (len(tree.path_to(0, 3))), 0, 0, 2 * len(tree.path_to(2, 4)), 0, 0]
+
+
 @pytest.mark.parametrize("variant", ["stream", "fused"])
 def test_a_round_reads_only_the_entries_its_pending_rounds_fill(device, variant):
     """A round reads `PendingRing.round_width` entries of each table row (16 for up to 16 pending tokens, then 32):

@@ -14,7 +14,8 @@ from ..common import (INDEX_DTYPES, INPUT_DTYPES, raise_first, require_dim, requ
                       slot_checks, validation_enabled)
 from .pending import path_width
 from .result import (RECORD_NBYTES, RECORD_POINTERS, PendingCommit, PendingPaths, TreeVerifyResult, VerifyShape,
-                     checked_paths, checked_result, result_fits, result_stamp_of, stamp_paths, stamp_result)
+                     checked_paths, checked_result, factors_fit, result_fits, result_stamp_of, stamp_paths,
+                     stamp_result)
 from .ring import RingRead, RingResults, RingRound
 
 
@@ -156,19 +157,33 @@ def check_commit_inputs(state, state_indices, result, accepted, validate) -> Non
 def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
     tensor = torch.Tensor
     if not (type(result) is TreeVerifyResult and isinstance(state, tensor) and isinstance(state_indices, tensor)
-            and isinstance(accepted, tensor) and isinstance(result.tree, TreeBatch)):
+            and isinstance(accepted, tensor) and isinstance(result.tree, TreeBatch)
+            and isinstance(result.u, tensor) and isinstance(result.k, tensor)):
         return False
     us, ks, ss = result.u.shape, result.k.shape, state.shape
     if len(us) != 3 or len(ks) != 3 or len(ss) != 4:
         return False
+    n, hv, dv = us
+    hk, dk = ks[1], ks[2]
     b, device = len(result.tree.sizes), result.u.device
-    return (us[0] == result.tree.num_nodes and ks[0] == us[0] and ss[1] == us[1] and ss[2] == us[2] and ss[3] == ks[2] and state.dtype == torch.float32
+    if not (n == result.tree.num_nodes and ks[0] == n and ss[1] == hv and ss[2] == dv and ss[3] == dk
+            and hv > 0 and dv > 0 and dk > 0 and hk > 0 and hv % hk == 0 and state.dtype == torch.float32
             and state.stride(3) == 1 and state_indices.shape == (b,) and accepted.shape == (b,)
-            and result.committed.shape == (b,) and state_indices.dtype in INDEX_DTYPES
+            and state_indices.dtype in INDEX_DTYPES
             and accepted.dtype in INDEX_DTYPES and state_indices.stride(0) == 1 and accepted.stride(0) == 1
             and state_indices.device == device and accepted.device == device and state.device == device
-            and result.k.device == device and result.log_decay.device == device and result.k_scale.device == device
-            and result.committed.device == device and result.tree.offsets.device == device)
+            and result.tree.offsets.device == device):
+        return False
+    # the factors the kernel reads (their dtypes, shapes, devices and row-major layout): a result a verify made or
+    # checked carries the record of that check (`result.stamp_result`), any other is compared field by field
+    heads = _HEADS.get((hk, hv, dk, dv))
+    if heads is None:
+        heads = _HEADS[(hk, hv, dk, dv)] = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
+    key = (heads, n, b, device)
+    return checked_result(result, key) is not None or factors_fit(result, key)
+
+
+_HEADS: dict[tuple, HeadShape] = {}
 
 
 def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
@@ -180,6 +195,8 @@ def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
     tree = result.tree
     if not isinstance(tree, TreeBatch):
         raise TypeError(f"res.tree: expected the TreeBatch the result verified, got {type(tree).__name__}")
+    for name in ("u", "log_decay", "k", "k_scale", "committed"):
+        require_tensor(f"res.{name}", getattr(result, name))
     require_dim("res.u", result.u, 3, "[N, Hv, dv]")
     require_dim("res.k", result.k, 3, "[N, Hk, dk]")
     n, hv, dv = result.u.shape
@@ -211,6 +228,25 @@ def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
     for name, x in (("state_indices", state_indices), ("accepted", accepted)):
         if x.stride(0) != 1 and x.shape[0] > 1:
             raise ValueError(f"{name}: must be contiguous (stride 1), got stride {x.stride(0)}")
+    # the factors the kernel reads, each as `tree_verify` makes it
+    hk = result.k.shape[1]
+    if hk == 0 or hv == 0 or hv % hk:
+        raise ValueError(f"res.k: has {hk} key heads; res.u's Hv={hv} value heads must be a positive multiple of them")
+    if dv == 0 or dk == 0:
+        raise ValueError(f"res: head sizes dv={dv} (u) and dk={dk} (k) must be positive")
+    if result.k.dtype not in INPUT_DTYPES:
+        raise TypeError(f"res.k: dtype {result.k.dtype}; expected the inputs' dtype (bfloat16, float16 or float32)")
+    b = tree.num_requests
+    for name, size, dtype, meaning in (("u", (n, hv, dv), _F32, "[N, Hv, dv]"), ("log_decay", (n, hv), _F32, "[N, Hv]"),
+                                       ("k_scale", (n, hk), _F32, "[N, Hk]"), ("committed", (b,), torch.int32, "[B]")):
+        x = getattr(result, name)
+        require_shape(f"res.{name}", x, size, meaning)
+        if x.dtype != dtype:
+            raise TypeError(f"res.{name}: dtype {x.dtype}; expected {dtype} (as tree_verify makes it)")
+    for name in ("u", "log_decay", "k", "k_scale", "committed"):
+        if not getattr(result, name).is_contiguous():
+            raise ValueError(f"res.{name}: must be contiguous (as tree_verify makes it; the commit reads its rows by "
+                             "their sizes)")
 
 
 def _accepted_message(accepted, out_of_range, tree) -> str:

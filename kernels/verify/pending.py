@@ -63,7 +63,8 @@ def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torc
     """`PendingPaths.path_rows` ``[len(request_map), path_width(tree)]`` int32 on the tree's device. An accepted
     node out of range, or a request_map entry out of range, gives an empty path (nothing is committed)."""
     device = tree.device
-    accepted, request_map = accepted.to(device), request_map.to(device)
+    # the kernel reads both by index (stride 1): a strided view is copied (on the device, no host read)
+    accepted, request_map = accepted.to(device).contiguous(), request_map.to(device).contiguous()
     if not use_triton(device):
         return pending_path_rows_torch(tree, accepted, request_map)
     width = path_width(tree)

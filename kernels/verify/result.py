@@ -168,23 +168,32 @@ def result_fits(res: TreeVerifyResult, key: tuple, dtype: torch.dtype | None) ->
     """Whether ``res``'s six fields are contiguous tensors of a verification of ``key`` (heads, nodes, requests,
     device): outputs and keys in ``dtype`` (None: any one input dtype for both), the factors float32, the marks
     int32. Plain comparisons, no error: the callers explain a failure field by field."""
-    h, n, b, device = key
-    f32, hv, hk = torch.float32, h.hv, h.hk
-    o, u, log_decay, k, k_scale, committed = res.o, res.u, res.log_decay, res.k, res.k_scale, res.committed
+    o = res.o
     if dtype is None:
-        dtype = getattr(k, "dtype", None)
+        dtype = getattr(res.k, "dtype", None)
         if dtype not in INPUT_DTYPES:
             return False
-    return (isinstance(o, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(log_decay, torch.Tensor)
-            and isinstance(k, torch.Tensor) and isinstance(k_scale, torch.Tensor) and isinstance(committed, torch.Tensor)
-            and o.shape == (n, hv, h.dv) and u.shape == (n, hv, h.dv) and log_decay.shape == (n, hv)
-            and k.shape == (n, hk, h.dk) and k_scale.shape == (n, hk) and committed.shape == (b,)
-            and o.dtype == dtype and u.dtype == f32 and log_decay.dtype == f32 and k.dtype == dtype
-            and k_scale.dtype == f32 and committed.dtype == torch.int32
-            and o.device == device and u.device == device and log_decay.device == device and k.device == device
+    h, n = key[0], key[1]
+    return (isinstance(o, torch.Tensor) and o.shape == (n, h.hv, h.dv) and o.dtype == dtype and o.device == key[3]
+            and o.is_contiguous() and factors_fit(res, key, dtype))
+
+
+def factors_fit(res: TreeVerifyResult, key: tuple, dtype: torch.dtype | None = None) -> bool:
+    """`result_fits` of the five fields a commit reads (``u``, ``log_decay``, ``k``, ``k_scale``, ``committed``;
+    not the outputs ``o``): keys in ``dtype`` (None: any input dtype)."""
+    h, n, b, device = key
+    f32, hv, hk = torch.float32, h.hv, h.hk
+    u, log_decay, k, k_scale, committed = res.u, res.log_decay, res.k, res.k_scale, res.committed
+    return (isinstance(u, torch.Tensor) and isinstance(log_decay, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(k_scale, torch.Tensor) and isinstance(committed, torch.Tensor)
+            and u.shape == (n, hv, h.dv) and log_decay.shape == (n, hv) and k.shape == (n, hk, h.dk)
+            and k_scale.shape == (n, hk) and committed.shape == (b,)
+            and u.dtype == f32 and log_decay.dtype == f32 and k_scale.dtype == f32 and committed.dtype == torch.int32
+            and (k.dtype == dtype if dtype is not None else k.dtype in INPUT_DTYPES)
+            and u.device == device and log_decay.device == device and k.device == device
             and k_scale.device == device and committed.device == device
-            and o.is_contiguous() and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous()
-            and k_scale.is_contiguous() and committed.is_contiguous())
+            and u.is_contiguous() and log_decay.is_contiguous() and k.is_contiguous() and k_scale.is_contiguous()
+            and committed.is_contiguous())
 
 
 def result_stamp_of(res: TreeVerifyResult) -> tuple | None:

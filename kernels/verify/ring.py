@@ -256,6 +256,8 @@ class PendingRing:
         """`ring_append_kernel`, one program per request (`FastLauncher`: its kept binary after the first call of
         each specialisation)."""
         tree = step.tree
+        # the kernel reads both by index (stride 1): a strided view is copied (on the device, no host read)
+        state_indices, accepted = state_indices.contiguous(), accepted.contiguous()
         RING_APPEND((tree.num_requests,), state_indices, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit,
                     tree.node_depth, self.rows, self.last, self.count, step.position * self.capacity, WRITE=step.write,
                     B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=self.width)

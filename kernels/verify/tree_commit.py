@@ -467,7 +467,11 @@ def _layers_hold(states, state_indices, results: LayerResults, tree: TreeBatch, 
     ss, us, ks = states.shape, u.shape, k.shape
     b, device = len(tree.sizes), u.device
     return (len(ss) == 5 and len(us) == 4 and len(ks) == 4 and ss[0] == us[0] and ss[2] == us[2] and ss[3] == us[3]
-            and ss[4] == ks[3] and us[1] == tree.num_nodes and ks[0] == us[0] and ks[1] == us[1] and states.dtype == torch.float32 and states.stride(4) == 1
+            and ss[4] == ks[3] and us[1] == tree.num_nodes and ks[0] == us[0] and ks[1] == us[1]
+            and us[2] > 0 and us[3] > 0 and ks[3] > 0 and ks[2] > 0 and us[2] % ks[2] == 0
+            and states.dtype == torch.float32 and states.stride(4) == 1 and u.dtype == torch.float32
+            and log_decay.dtype == torch.float32 and k_scale.dtype == torch.float32 and committed.dtype == torch.int32
+            and k.dtype in INPUT_DTYPES
             and u.stride()[1:] == (us[2] * us[3], us[3], 1) and k.stride()[1:] == (ks[2] * ks[3], ks[3], 1)
             and log_decay.shape == us[:3] and log_decay.stride()[1:] == (us[2], 1)
             and k_scale.shape == ks[:3] and k_scale.stride()[1:] == (ks[2], 1)
