@@ -144,6 +144,39 @@ def test_sets_are_aligned_and_do_not_overlap():
     assert all(t.is_contiguous() for t in bufs)
 
 
+def test_two_threads_never_take_one_set(monkeypatch):
+    """Two threads taking a set on one stream at once get two sets: each finding the same set free before either
+    holds it (a pause forced between the look and the hand-out) would have them write one set of buffers."""
+    import threading
+    import time
+
+    from bole_tune.kernels.verify import result
+
+    pool = ResultPool(max_bytes=2 ** 30)
+    shape, cpu = heads_shape(n=7, b=3), torch.device("cpu")
+    pool.take(shape, torch.float32, cpu)  # one set, dropped: free again
+    looked = result._free
+
+    def slow_free(buffers, baseline):
+        free = looked(buffers, baseline)
+        time.sleep(0.05)  # the other thread looks meanwhile
+        return free
+
+    monkeypatch.setattr(result, "_free", slow_free)
+    taken = []
+
+    def take():
+        taken.append(pool.take(shape, torch.float32, cpu))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == 2 and taken[0][0].data_ptr() != taken[1][0].data_ptr(), "two threads got one set"
+    assert len(next(iter(pool._sets.values()))) == 2, "the free set was not reused by one of them"
+
+
 def test_a_different_shape_gets_its_own_set(device):
     tree, x = case(device, 5)
     first = tree_verify(*x.args(tree))
