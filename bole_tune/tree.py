@@ -74,7 +74,8 @@ class TreeBatch:
         """Build a batch from one list of local parent indices per request.
 
         ``-1`` marks a root (a node that hangs off the request's committed state; several roots are
-        allowed). Every parent must precede its child. Tensors are accepted in place of lists.
+        allowed). Every parent must precede its child. 1-D integer tensors and NumPy arrays are accepted in place
+        of lists.
         """
         if isinstance(parents_per_request, torch.Tensor) or not isinstance(parents_per_request, Sequence):
             raise TypeError(
@@ -213,13 +214,21 @@ def _as_int_list(request, r: int) -> list[int]:
                 f"got dtype {request.dtype} with shape {tuple(request.shape)}"
             )
         return [int(x) for x in request.tolist()]
+    kind = getattr(getattr(request, "dtype", None), "kind", None)  # a NumPy array: its dtype's kind ("i", "u", ...)
+    if kind is not None and hasattr(request, "ndim") and hasattr(request, "tolist"):
+        if request.ndim != 1 or kind not in "iu":
+            raise TypeError(f"parents_per_request[{r}]: expected a 1-D integer array, "
+                            f"got dtype {request.dtype} with shape {tuple(request.shape)}")
+        return [int(x) for x in request.tolist()]
     if isinstance(request, (str, bytes)) or not isinstance(request, Sequence):
         raise TypeError(f"parents_per_request[{r}]: expected a list of ints, got {type(request).__name__}")
     values = []
     for n, p in enumerate(request):
         if isinstance(p, bool) or not isinstance(p, int):
-            if isinstance(p, torch.Tensor) and p.dim() == 0 and not p.dtype.is_floating_point:
+            if isinstance(p, torch.Tensor) and p.dim() == 0 and not p.dtype.is_floating_point and p.dtype != torch.bool:
                 p = int(p)
+            elif getattr(getattr(p, "dtype", None), "kind", None) in ("i", "u") and getattr(p, "ndim", None) == 0:
+                p = int(p)  # a NumPy integer scalar
             else:
                 raise TypeError(f"parents_per_request[{r}][{n}]: expected an int, got {p!r}")
         values.append(p)

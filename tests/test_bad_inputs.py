@@ -168,6 +168,7 @@ TREE_CASES = {
     "float-parent": ([[-1, 0.5]], TypeError, "expected an int"),
     "float-tensor": ([torch.tensor([-1.0, 0.0])], TypeError, "expected a 1-D integer tensor"),
     "not-a-list": (3, TypeError, "expected a list"),
+    "bool-tensor-parent": ([[-1, torch.tensor(True)]], TypeError, "expected an int, got tensor\\(True\\)"),
 }
 
 
@@ -176,6 +177,24 @@ def test_tree_batch_refuses(case):
     parents, error, message = TREE_CASES[case]
     with pytest.raises(error, match=message):
         TreeBatch.from_parents(parents)
+
+
+def test_tree_batch_takes_numpy_parents():
+    """NumPy integer arrays (one per request) and integer scalars are parents like lists of ints; other arrays are
+    refused by name."""
+    np = pytest.importorskip("numpy")
+    want = TreeBatch.from_parents([[-1, 0, 1, 0], [-1, -1]])
+    for parents in ([np.array([-1, 0, 1, 0]), np.array([-1, -1], dtype=np.int32)],
+                    [[np.int64(-1), np.int32(0), np.int16(1), 0], np.array([-1, -1], dtype=np.int8)]):
+        tree = TreeBatch.from_parents(parents)
+        assert tree._host_parents == want._host_parents and torch.equal(tree.dfs_exit, want.dfs_exit)
+    for parents, message in (([np.array([-1.0, 0.0])], "expected a 1-D integer array, got dtype float64"),
+                             ([np.array([[-1, 0]])], r"expected a 1-D integer array, got dtype int64 with shape \(1, 2\)"),
+                             ([np.array([True, False])], "expected a 1-D integer array, got dtype bool"),
+                             ([[-1, np.bool_(True)]], r"parents_per_request\[0\]\[1\]: expected an int"),
+                             ([[-1, np.float32(0)]], r"parents_per_request\[0\]\[1\]: expected an int")):
+        with pytest.raises(TypeError, match=message):
+            TreeBatch.from_parents(parents)
 
 
 @pytest.mark.parametrize("field, change, error, message", [
