@@ -178,6 +178,8 @@ def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
     # checked carries the record of that check (`result.stamp_result`), any other is compared field by field
     heads = _HEADS.get((hk, hv, dk, dv))
     if heads is None:
+        if len(_HEADS) >= 4096:  # a bounded table, as `_SHAPES`
+            _HEADS.clear()
         heads = _HEADS[(hk, hv, dk, dv)] = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
     key = (heads, n, b, device)
     return checked_result(result, key) is not None or factors_fit(result, key)
