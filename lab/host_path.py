@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import cProfile
-import io
 import json
-import pstats
 import time
 
 import torch
@@ -23,6 +20,7 @@ from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
 from bole_tune.kernels.verify.result import RESULT_POOL, TreeVerifyResult, result_buffers
 from bole_tune.kernels.verify.run import run_launch
 from bole_tune.workloads import make_inputs, make_tree
+from lab_rows import profile_calls
 
 
 def timed(fn, calls=2000) -> float:
@@ -209,14 +207,7 @@ def main() -> None:
             json.dump({"batch": args.batch, "tree_size": args.tree_size, "launch": f"{launch.variant} {launch.config}",
                        "us_per_call": measured, "result_pool_sets": sets}, f, indent=1)
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            tree_verify(*a)
-        prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        print(s.getvalue())
+        print(profile_calls(lambda: tree_verify(*a), 2000))
 
 
 if __name__ == "__main__":

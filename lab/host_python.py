@@ -13,10 +13,7 @@ The results are not valid (no kernel runs): this times host code only.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -34,6 +31,7 @@ from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs  
 from bole_tune.kernels.verify.result import result_buffers  # noqa: E402
 from bole_tune.kernels.verify.run import run_launch  # noqa: E402
 from bole_tune.workloads import make_inputs, make_tree  # noqa: E402
+from lab_rows import profile_calls  # noqa: E402
 
 
 def launches_left_out() -> None:
@@ -117,14 +115,7 @@ def main() -> None:
     for name, t in interleaved(rows, args.turns, args.calls).items():
         print(f"{name:32s} {t:7.2f} us/call")
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            rows[args.profile]()
-        prof.disable()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-        print(out.getvalue())
+        print(profile_calls(rows[args.profile], args.calls))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,25 @@ measured row, the rows written as JSON, and the kernel `run.py` launches swapped
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
 
 from bole_tune.kernels.verify import run as run_module
+
+
+def profile_calls(fn, calls: int, lines: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn``: its ``lines`` costliest functions by their own time (the host-path
+    scripts' ``--profile``)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(lines)
+    return out.getvalue()
 
 
 def show(row: dict, rows: list) -> None:
