@@ -15,6 +15,7 @@ that while an integration is brought up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,6 +36,31 @@ range of g: every value <= 0; exact to the verifier's tolerance against the floa
 _ENVIRON = getattr(os.environ, "_data", None)  # CPython's dict behind os.environ, kept in step with it
 _VALIDATE_KEY = os.environ.encodekey("BOLE_TUNE_VALIDATE") if _ENVIRON is not None and hasattr(
     os.environ, "encodekey") else None
+
+
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def other_cuda_device(x: torch.Tensor) -> torch.device | None:
+    """``x``'s device where it is a CUDA device other than the current one, else None (``x`` a tensor).
+
+    Triton launches a kernel on the current device, and the kept-binary launches (`launcher.FastLauncher`) pass
+    bare addresses: a kernel launched on ``cuda:0`` with ``cuda:1``'s memory faults, or reads over the link where
+    peer access is on. So each public call whose inputs live elsewhere runs itself again under
+    ``torch.cuda.device`` of its inputs: an engine that keeps its tensors on ``cuda:1`` without
+    ``torch.cuda.set_device(1)`` gets its answers, on that device's current stream."""
+    if not x.is_cuda:
+        return None
+    current = _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
+    return x.device if x.get_device() != current else None
+
+
+def on_device_of(x: torch.Tensor):
+    """A context in which ``x``'s device is the current one (`other_cuda_device`): ``torch.cuda.device`` where it
+    is another CUDA device, else one that does nothing. For the calls made once a round; a layer's calls test
+    `other_cuda_device` themselves (no context object on their path)."""
+    elsewhere = other_cuda_device(x)
+    return torch.cuda.device(elsewhere) if elsewhere is not None else contextlib.nullcontext()
 
 
 def validation_enabled(validate: bool | None) -> bool:

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from bole_tune.tree import TreeBatch
 
-from .common import INDEX_DTYPES, INPUT_DTYPES, raise_first, slot_checks, use_triton, validation_enabled
+from .common import (INDEX_DTYPES, INPUT_DTYPES, other_cuda_device, raise_first, slot_checks, use_triton,
+                     validation_enabled)
 from .reference import tree_conv_commit_reference, tree_conv_reference
 
 
@@ -145,6 +146,9 @@ def tree_conv(x, conv_state, weight, state_indices, tree: TreeBatch, activation:
     Returns:
         ``[N, channels]`` in x's dtype.
     """
+    if isinstance(x, torch.Tensor) and x.is_cuda and (elsewhere := other_cuda_device(x)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the inputs'
+            return tree_conv(x, conv_state, weight, state_indices, tree, activation, validate, out)
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     channels, width = _check_pool(x, conv_state, state_indices, tree, validate, "x", finite_x=True)
@@ -181,6 +185,9 @@ def tree_conv_commit(conv_state, state_indices, x, tree: TreeBatch, accepted, va
 
     ``x`` is the same pre-convolution input `tree_conv` read (``[N, channels]``).
     """
+    if isinstance(x, torch.Tensor) and x.is_cuda and (elsewhere := other_cuda_device(x)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the inputs'
+            return tree_conv_commit(conv_state, state_indices, x, tree, accepted, validate)
     channels, width = _check_pool(x, conv_state, state_indices, tree, validate, "x")
     if not isinstance(accepted, torch.Tensor):
         raise TypeError(f"accepted: expected a torch.Tensor, got {type(accepted).__name__}")

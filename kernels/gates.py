@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INPUT_DTYPES, use_triton, validation_enabled
+from .common import INPUT_DTYPES, other_cuda_device, use_triton, validation_enabled
 from .launcher import FastLauncher, addresses
 
 
@@ -48,6 +48,9 @@ def gdn_gates(a, b, a_log, dt_bias, validate: bool | None = None,
     """``g`` and ``beta`` ``[N, Hv]`` float32 from the raw projections ``a``, ``b`` ``[N, Hv]`` and the
     per-head ``A_log``, ``dt_bias`` ``[Hv]``. ``out``: a ``(g, beta)`` pair of contiguous float32 ``[N, Hv]`` tensors
     on a's device to write into (reused across layers: no allocation per call), else new ones."""
+    if isinstance(a, torch.Tensor) and a.is_cuda and (elsewhere := other_cuda_device(a)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the inputs'
+            return gdn_gates(a, b, a_log, dt_bias, validate, out)
     if not _gates_fit(a, b, a_log, dt_bias):  # the common case in plain comparisons; else name what is wrong
         _explain_gates(a, b, a_log, dt_bias)
     if out is not None:

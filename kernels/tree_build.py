@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INDEX_DTYPES, use_triton
+from .common import INDEX_DTYPES, on_device_of, use_triton
 from .launcher import FastLauncher, addresses
 
 BLOCK_SIZES = (16, 32, 64)
@@ -166,9 +166,10 @@ def build_tree_tables(parent_table: torch.Tensor, num_warps: int | None = None) 
     # keyed on what decides the binary (`FastLauncher.launch_keyed`): the table's dtype, which tensors are
     # misaligned, every integer argument (Triton specialises on them; the constants follow from T) and the warps
     key = (parent_table.dtype, alignment, warps, *sizes)
-    TREE_BUILD.launch_keyed(key, (b,), (*pointers, *sizes), lambda: (*tensors, *sizes), lambda: dict(
-        NUM_SQUARINGS=math.ceil(math.log2(t)), TB=tile, NB16=max(2, tile // 16), NB32=max(2, tile // 32),
-        NB64=max(2, tile // 64), num_warps=warps))
+    with on_device_of(parent_table):  # Triton launches on the current device: make it the table's
+        TREE_BUILD.launch_keyed(key, (b,), (*pointers, *sizes), lambda: (*tensors, *sizes), lambda: dict(
+            NUM_SQUARINGS=math.ceil(math.log2(t)), TB=tile, NB16=max(2, tile // 16), NB32=max(2, tile // 32),
+            NB64=max(2, tile // 64), num_warps=warps))
     return TreeTables(offsets, *nodes, {bs: (tables[bs], blocks[bs]) for bs in BLOCK_SIZES})
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from bole_tune.tree import TreeBatch
 
-from ..common import use_triton
+from ..common import on_device_of, use_triton
 from ..launcher import FastLauncher
 from .blocks import path_hits
 
@@ -70,9 +70,11 @@ def pending_path_rows(tree: TreeBatch, accepted: torch.Tensor, request_map: torc
     width = path_width(tree)
     rows = torch.empty((len(request_map), width), dtype=torch.int32, device=device)
     if len(request_map):
-        PENDING_ROWS(
-            (len(request_map),), request_map, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit, tree.node_depth, rows,
-            tree.num_requests, B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=width)
+        with on_device_of(rows):  # Triton launches on the current device: make it the tree's
+            PENDING_ROWS(
+                (len(request_map),), request_map, accepted, tree.offsets, tree.dfs_enter, tree.dfs_exit,
+                tree.node_depth, rows, tree.num_requests,
+                B_T=min(SEARCH_BLOCK, triton.next_power_of_2(max(tree.max_tree_size, 16))), WIDTH=width)
     return rows
 
 

@@ -32,7 +32,8 @@ import triton.language as tl
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import INPUT_DTYPES, raise_first, require_index_vector, use_triton, validation_enabled
+from ..common import (INPUT_DTYPES, on_device_of, raise_first, require_index_vector, use_triton,
+                      validation_enabled)
 from ..launcher import FastLauncher
 from .blocks import path_hits
 from .pending import SEARCH_BLOCK, pending_path_rows
@@ -246,7 +247,8 @@ class PendingRing:
                                      "or drop a request's tokens when it leaves)")
         if use_triton(self.device):
             if b:
-                self._append(step, state_indices, accepted)
+                with on_device_of(self.count):  # Triton launches on the current device: make it the ring's
+                    self._append(step, state_indices, accepted)
         else:
             self._append_torch(step, state_indices.long(), accepted)
         self.held = 1 if step.write else self.held + 1

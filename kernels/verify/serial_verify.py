@@ -15,7 +15,7 @@ import triton.language as tl
 
 from bole_tune.tree import TreeBatch
 
-from ..common import token_head_strides, use_triton
+from ..common import other_cuda_device, token_head_strides, use_triton
 from ..reference import verify_closed_form
 from .blocks import floored
 from .checks import check_verify_inputs
@@ -91,6 +91,10 @@ def serial_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale
     ``block_v`` is the value tile (the engines' serial kernels use 16 or 32 columns per program with
     the whole dk resident).
     """
+    if isinstance(q, torch.Tensor) and q.is_cuda and (elsewhere := other_cuda_device(q)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the inputs'
+            return serial_verify(q, k, v, g, beta, state, state_indices, tree, scale, use_qk_l2norm, validate,
+                                 block_v, out)
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
     if not use_triton(q.device):
         return verify_closed_form(q, k, v, g, beta, state, state_indices, tree, shape.scale, use_qk_l2norm,

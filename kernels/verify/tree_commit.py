@@ -52,7 +52,8 @@ from bole_tune.config import CommitConfig, default_commit_config, node_block
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import INDEX_DTYPES, INPUT_DTYPES, path_precision, require_tensor, use_triton, validation_enabled
+from ..common import (INDEX_DTYPES, INPUT_DTYPES, other_cuda_device, path_precision, require_tensor, use_triton,
+                      validation_enabled)
 from ..launcher import FastLauncher, misaligned
 from ..reference import commit_closed_form
 from .blocks import path_factors, path_product
@@ -313,6 +314,9 @@ def tree_commit(state, state_indices, res: TreeVerifyResult, accepted, validate:
         config: the launch (`CommitConfig`); None: the tuned one for this GPU, head shape, dtype, tree and batch
             bucket (one layer), else the untuned fallback (`commit_config`).
     """
+    if isinstance(state, torch.Tensor) and state.is_cuda and (elsewhere := other_cuda_device(state)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the pool's
+            return tree_commit(state, state_indices, res, accepted, validate, config)
     check_commit_inputs(state, state_indices, res, accepted, validate)
     if config is not None and type(config) is not CommitConfig:
         raise TypeError(f"config: expected a CommitConfig or None, got {type(config).__name__}")
@@ -421,6 +425,9 @@ def tree_commit_layers(states, state_indices, results: LayerResults, tree: TreeB
         config: the launch (`CommitConfig`); None: the one tuned for a launch of this many layers (else the
             nearest tuned, else the untuned fallback: `commit_config`).
     """
+    if isinstance(states, torch.Tensor) and states.is_cuda and (elsewhere := other_cuda_device(states)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the pools'
+            return tree_commit_layers(states, state_indices, results, tree, accepted, validate, config)
     if validation_enabled(validate) or not _layers_hold(states, state_indices, results, tree, accepted):
         require_tensor("states", states)
         if not isinstance(results, LayerResults):

@@ -13,7 +13,7 @@ from bole_tune.config import KernelConfig
 from bole_tune.shapes import HeadShape
 from bole_tune.tree import TreeBatch
 
-from ..common import use_triton, validation_enabled
+from ..common import other_cuda_device, use_triton, validation_enabled
 from ..reference import commit_pending_closed_form, verify_closed_form
 from .checks import check_pending, check_ring, check_verify_inputs
 from .planner import Launch, Planner
@@ -70,6 +70,10 @@ def tree_verify(q, k, v, g, beta, state, state_indices, tree: TreeBatch, scale=N
     Returns:
         `TreeVerifyResult`: ``o`` ``[N, Hv, dv]`` in v's dtype and the factors for `tree_commit`.
     """
+    if isinstance(q, torch.Tensor) and q.is_cuda and (elsewhere := other_cuda_device(q)) is not None:
+        with torch.cuda.device(elsewhere):  # Triton launches on the current device: make it the inputs'
+            return tree_verify(q, k, v, g, beta, state, state_indices, tree, scale, use_qk_l2norm, config, validate,
+                               out, variant, v_split, launch, pending, ring)
     validate = validation_enabled(validate)  # resolved once (the environment is read once per call)
     shape = check_verify_inputs(q, k, v, g, beta, state, state_indices, tree, scale, validate)
     res = stamps = None
