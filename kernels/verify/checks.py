@@ -76,7 +76,7 @@ def _verify_shape(q, k, v, g, beta, state, state_indices, tree, scale) -> Verify
     if shape is None:
         if len(_SHAPES) >= 4096:  # a process whose shapes keep changing keeps a bounded table
             _SHAPES.clear()
-        shape = _SHAPES[key] = VerifyShape(heads=HeadShape(hk=hk, hv=hv, dk=dk, dv=dv), num_nodes=n,
+        shape = _SHAPES[key] = VerifyShape(heads=_head_shape(hk, hv, dk, dv), num_nodes=n,
                                            num_requests=num_requests, num_slots=ss[0], scale=scale)
     return shape
 
@@ -176,16 +176,23 @@ def _commit_inputs_hold(state, state_indices, result, accepted) -> bool:
         return False
     # the factors the kernel reads (their dtypes, shapes, devices and row-major layout): a result a verify made or
     # checked carries the record of that check (`result.stamp_result`), any other is compared field by field
-    heads = _HEADS.get((hk, hv, dk, dv))
-    if heads is None:
-        if len(_HEADS) >= 4096:  # a bounded table, as `_SHAPES`
-            _HEADS.clear()
-        heads = _HEADS[(hk, hv, dk, dv)] = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
+    heads = _HEADS.get((hk, hv, dk, dv)) or _head_shape(hk, hv, dk, dv)
     key = (heads, n, b, device)
     return checked_result(result, key) is not None or factors_fit(result, key)
 
 
 _HEADS: dict[tuple, HeadShape] = {}
+
+
+def _head_shape(hk: int, hv: int, dk: int, dv: int) -> HeadShape:
+    """One `HeadShape` object per head shape, shared by the verify's `VerifyShape` and the commit's record key: a
+    record made by a verify is then matched by identity, not field by field."""
+    heads = _HEADS.get((hk, hv, dk, dv))
+    if heads is None:
+        if len(_HEADS) >= 4096:  # a bounded table, as `_SHAPES`
+            _HEADS.clear()
+        heads = _HEADS[(hk, hv, dk, dv)] = HeadShape(hk=hk, hv=hv, dk=dk, dv=dv)
+    return heads
 
 
 def _explain_commit_inputs(state, state_indices, result, accepted) -> None:
