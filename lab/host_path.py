@@ -20,7 +20,7 @@ from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs
 from bole_tune.kernels.verify.result import RESULT_POOL, TreeVerifyResult, result_buffers
 from bole_tune.kernels.verify.run import run_launch
 from bole_tune.workloads import make_inputs, make_tree
-from lab_rows import profile_calls
+from lab_rows import interleaved, profile_calls
 
 
 def timed(fn, calls=2000) -> float:
@@ -37,20 +37,6 @@ def per_call(fn, calls=2000) -> float:
     for _ in range(50):
         fn()
     return sorted(timed(fn, calls) for _ in range(5))[2]
-
-
-def interleaved(rows: dict, turns: int = 5, calls: int = 2000, warm: int = 200) -> dict:
-    """Each row's median over ``turns`` turns, every turn timing every row in order: the host's state drifts (the
-    machine's one torch.empty took 2.1 us in one session and 4.7 in another), so rows compared with each other are
-    timed side by side, and a slow spell lands on every row of a turn, not on the rows that happened to run in it."""
-    for fn in rows.values():  # warm-up: compiled, cached, and the host's clocks up
-        for _ in range(warm):
-            fn()
-    times = {name: [] for name in rows}
-    for _ in range(turns):
-        for name, fn in rows.items():
-            times[name].append(timed(fn, calls))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def launch_parts(launch, a, shape, res) -> dict:
@@ -192,8 +178,8 @@ def main() -> None:
     rows.update(launch_parts(launch, a, shape, res2))
     print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16; launch {launch.variant} {launch.config}")
     main = [name for name in rows if not name.startswith(" ")]  # the calls themselves, timed side by side
-    measured = {name: t for name, t in interleaved({name: rows[name] for name in main}).items()}
-    measured.update({name: t / 24 for name, t in interleaved(rounds, calls=100).items()})
+    measured = dict(interleaved({name: rows[name] for name in main}, timed, 5, 2000, 200))
+    measured.update({name: t / 24 for name, t in interleaved(rounds, timed, 5, 100, 200).items()})
     for name, fn in rows.items():  # their parts, each alone
         if name not in main:
             measured[name] = per_call(fn)

@@ -31,7 +31,7 @@ from bole_tune.kernels.verify.checks import check_pending, check_verify_inputs  
 from bole_tune.kernels.verify.result import result_buffers  # noqa: E402
 from bole_tune.kernels.verify.run import run_launch  # noqa: E402
 from bole_tune.workloads import make_inputs, make_tree  # noqa: E402
-from lab_rows import profile_calls  # noqa: E402
+from lab_rows import interleaved, profile_calls  # noqa: E402
 
 
 def launches_left_out() -> None:
@@ -47,18 +47,6 @@ def per_call(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) * 1e6 / calls
-
-
-def interleaved(rows: dict, turns: int, calls: int) -> dict:
-    """Each row's median over ``turns`` turns, every turn timing every row in order."""
-    for fn in rows.values():
-        for _ in range(300):
-            fn()
-    times = {name: [] for name in rows}
-    for _ in range(turns):
-        for name, fn in rows.items():
-            times[name].append(per_call(fn, calls))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def main() -> None:
@@ -112,7 +100,7 @@ def main() -> None:
     }
     print(f"B={args.batch} T={args.tree_size} chain, 9B heads, bf16, CPU tensors, launches left out; "
           f"{args.turns} turns of {args.calls} calls, medians")
-    for name, t in interleaved(rows, args.turns, args.calls).items():
+    for name, t in interleaved(rows, per_call, args.turns, args.calls, 300).items():
         print(f"{name:32s} {t:7.2f} us/call")
     if args.profile:
         print(profile_calls(rows[args.profile], args.calls))

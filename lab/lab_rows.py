@@ -24,6 +24,20 @@ def profile_calls(fn, calls: int, lines: int = 25) -> str:
     return out.getvalue()
 
 
+def interleaved(rows: dict, timer, turns: int, calls: int, warm: int) -> dict:
+    """Each row's median over ``turns`` turns of ``timer(fn, calls)`` (us a call), every turn timing every row in
+    order after ``warm`` calls of each: the host's state drifts, so rows compared with each other are timed side by
+    side, and a slow spell lands on every row of a turn, not on the rows that happened to run in it."""
+    for fn in rows.values():
+        for _ in range(warm):
+            fn()
+    times = {name: [] for name in rows}
+    for _ in range(turns):
+        for name, fn in rows.items():
+            times[name].append(timer(fn, calls))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def show(row: dict, rows: list) -> None:
     """Print ``row`` on one line (floats to four digits) and keep it."""
     print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
