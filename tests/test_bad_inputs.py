@@ -526,18 +526,21 @@ def test_between_rounds_refuses(case):
         PendingPaths.between_rounds(**{**args, **changes})
 
 
-@pytest.mark.parametrize("interpret", [False, True])
-def test_between_rounds_pairs_slots_out_of_range_with_nothing(interpret, monkeypatch):
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_between_rounds_pairs_slots_out_of_range_with_nothing(triton_path, device, monkeypatch):
     """Unchecked, a slot out of range in either round pairs with nothing (no index outside the tables is used): a
     next-round request on one has nothing pending; a previous request on one is left out, never the request of the
-    slot it would wrap onto. The map against a dictionary of the slots in range (the Triton and the torch path)."""
+    slot it would wrap onto. The map against a dictionary of the slots in range (the Triton path on the session's
+    device: the GPU's, or the CPU's under the interpreter; the torch path on CPU tensors without it)."""
     from bole_tune.kernels import PendingPaths
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
-    tree = TreeBatch.from_parents([[-1, 0], [-1], [-1, 0, 1], [-1, 0]])
-    prev = torch.tensor([5, 9, -2, 2], dtype=torch.int32)  # 8 slots: 9 and -2 out of range
-    following = torch.tensor([2, 5, 11, 0, 9, -2, 7], dtype=torch.int32)
-    paths = PendingPaths.between_rounds(tree, torch.tensor([1, 0, 2, 1]), prev, following, 8)
+    if not triton_path:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tree = TreeBatch.from_parents([[-1, 0], [-1], [-1, 0, 1], [-1, 0]], device=device)
+    prev = torch.tensor([5, 9, -2, 2], dtype=torch.int32, device=device)  # 8 slots: 9 and -2 out of range
+    following = torch.tensor([2, 5, 11, 0, 9, -2, 7], dtype=torch.int32, device=device)
+    paths = PendingPaths.between_rounds(tree, torch.tensor([1, 0, 2, 1], device=device), prev, following, 8)
     owner = {s: r for r, s in enumerate(prev.tolist()) if 0 <= s < 8}
     assert paths.request_map.tolist() == [owner.get(s, -1) for s in following.tolist()] == [3, 0, -1, -1, -1, -1, -1]
     rows = paths.path_rows.tolist()

@@ -310,8 +310,9 @@ def test_the_shipped_database_loads():
     ring = [text for text in data["configs"] if text.endswith("-ring")]
     assert len(data["configs"]) - len(folded) - len(ring) == 108 and data["step_curves"]
     # the folded verify's own entries: 9B (one or 16-32 requests), 27B and 122B (16-32 requests), trees of 8 and 16
-    # nodes
-    assert len(folded) == 14 and all(data["configs"][text]["key"]["fold"] is True for text in folded)
-    # a ring write round's own entries: 9B, 27B and 122B, 16-32 requests, trees of 8 and 16 nodes
-    assert len(ring) == 12 and all(data["configs"][text]["key"]["ring"] is True
+    # nodes; the 9B's 32-node trees at 16-32 requests too
+    assert len(folded) == 16 and all(data["configs"][text]["key"]["fold"] is True for text in folded)
+    # a ring write round's own entries: 9B, 27B and 122B, 16-32 requests, trees of 8 and 16 nodes; the 9B's 32-node
+    # trees too
+    assert len(ring) == 14 and all(data["configs"][text]["key"]["ring"] is True
                                   and ShapeKey.from_dict(data["configs"][text]["key"]).text == text for text in ring)

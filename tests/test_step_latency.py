@@ -177,6 +177,7 @@ def test_a_killed_step_run_keeps_the_points_it_measured(tiny, tmp_path):
     curve = database.load(first.path)["step_curves"]["Tiny-MoE/bf16"]
     stored = {p["tree_size"]: p["step_us"] for p in curve["points"]}
     assert sorted(stored) == [1, 4] and len(seen) == 1
-    assert stored[1] == pytest.approx(seen[0].step_us)  # the killed run's point, written before it stopped
-    assert stored[4] == pytest.approx(old[4])  # not measured again: the first run's point stays
+    # the file keeps 0.01 us: on a GPU a point of a few hundred us differs from it by more than approx's 1e-6
+    assert stored[1] == pytest.approx(seen[0].step_us, abs=0.005)  # the killed run's point, written before it stopped
+    assert stored[4] == pytest.approx(old[4], abs=0.005)  # not measured again: the first run's point stays
     assert all("measured" in p for p in curve["points"])  # each point names the run that measured it
