@@ -239,16 +239,20 @@ class CommitCase:
     path_table: bool | None = None
 
 
-COMMIT_SWITCH_CASES = (  # the shipped B=16 64-node launch with its path scanned instead of read from the table
-    CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=16,
-               path_table=False),
-    CommitCase("B16-T64-L24-scan32", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
-               path_table=False),
-    CommitCase("B16-T64-L24-scan64", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1), scan_block=64,
-               path_table=False),
-    CommitCase("B16-T64-L24-scan32-first-by-tma", HEADS_9B, "bf16", 64, 24, CommitConfig(128, 16, 128, 2, 3, tma=1),
-               first_by_pointer=False, path_table=False),
-)
+SWITCH_ENTRY = "Hv32-Hk16-dk128-dv128-bf16-T64-B16-L24"  # the 9B's all-layer commit at B=16 with 64-node trees
+
+
+def commit_switch_cases(slug: str = "nvidia-h200") -> list[CommitCase]:
+    """The shipped database's `SWITCH_ENTRY` launch with its path scanned (16, 32 and 64 wide) instead of read from the
+    table, and scanned 32 wide with its first state tile read by TMA instead of by pointers."""
+    config = CommitConfig(**database.load(database.SHIPPED_DIR / f"{slug}.yaml")["commit_configs"][SWITCH_ENTRY]["config"])
+    return [
+        CommitCase("B16-T64-L24-scan16", HEADS_9B, "bf16", 64, 24, config, scan_block=16, path_table=False),
+        CommitCase("B16-T64-L24-scan32", HEADS_9B, "bf16", 64, 24, config, path_table=False),
+        CommitCase("B16-T64-L24-scan64", HEADS_9B, "bf16", 64, 24, config, scan_block=64, path_table=False),
+        CommitCase("B16-T64-L24-scan32-first-by-tma", HEADS_9B, "bf16", 64, 24, config, first_by_pointer=False,
+                   path_table=False),
+    ]
 
 
 def commit_entry_cases(slug: str = "nvidia-h200") -> list[CommitCase]:
@@ -508,7 +512,7 @@ def main(argv=None) -> None:
     elif args.others:
         rows, line = small_binaries(), "{case:20s} {kernel:28s}"
     elif args.commits:
-        rows = commit_binaries([*commit_entry_cases(), *COMMIT_SWITCH_CASES])
+        rows = commit_binaries([*commit_entry_cases(), *commit_switch_cases()])
         line = ("{case:40s} {config:20s} B_T={B_T:<3d} tma={tma!s:5s} first_by_pointer={first_by_pointer!s:5s} "
                 "path_table={path_table!s:5s}")
     else:
